@@ -1,0 +1,29 @@
+# Quick start: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test hip report bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(PY) experiments/seq_scaling.py
+
+test: setup
+	$(PY) -m pytest -q
+
+hip: setup
+	$(PY) -m hip_ffi.build
+
+report: setup
+	$(PY) -m hip_ffi.build --report
+
+clean:
+	rm -rf $(VENV) hip_ffi/_build .pytest_cache

@@ -1,0 +1,22 @@
+"""jflash: exact, memory-efficient attention (FlashAttention) for JAX."""
+from jflash import _registry  # noqa: F401  (registers the built-in implementations)
+from jflash.api import (
+    AttentionConfig,
+    attention,
+    available_implementations,
+    default_implementation,
+)
+from jflash.reference import attention_numpy, attention_tiled_numpy, attention_xla
+from pallas_kernels.tuning import BlockSizes
+
+__all__ = [
+    "AttentionConfig",
+    "BlockSizes",
+    "attention",
+    "attention_numpy",
+    "attention_tiled_numpy",
+    "attention_xla",
+    "available_implementations",
+    "default_implementation",
+]
+__version__ = "0.1.0"

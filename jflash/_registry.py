@@ -1,0 +1,35 @@
+"""The built-in implementations, registered lazily so `import jflash` stays light."""
+from __future__ import annotations
+
+from jflash.api import Implementation, register_implementation
+
+
+def _xla():
+  from jflash import reference
+
+  def direct(q, k, v, cfg):
+    return reference.attention_xla(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal)
+  return Implementation("xla", direct=direct)
+
+
+def _xla_chunked():
+  from jflash import chunked
+  return Implementation("xla_chunked", forward=chunked.forward, backward=chunked.backward)
+
+
+def _pallas():
+  from jflash import pallas_impl
+  return Implementation("pallas", forward=pallas_impl.forward,
+                        backward=pallas_impl.backward, supports=pallas_impl.supports)
+
+
+def _hip():
+  from jflash import hip_impl
+  return Implementation("hip", forward=hip_impl.forward, backward=hip_impl.backward,
+                        supports=hip_impl.supports)
+
+
+register_implementation("xla", _xla)
+register_implementation("xla_chunked", _xla_chunked)
+register_implementation("pallas", _pallas)
+register_implementation("hip", _hip)

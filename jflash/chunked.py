@@ -1,0 +1,109 @@
+""""xla_chunked": the FlashAttention algorithm in plain JAX.
+
+Blockwise online softmax over `lax.scan` across key/value blocks, the same residuals
+`(q, k, v, out, lse)` and the same recompute backward as the Pallas kernels. The
+largest live intermediate is `[B, K, G, T, block_k]`, so memory is linear in the
+sequence length. The default on CPU, and the fallback wherever Pallas cannot run.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jflash.reference import stat_dtype
+
+# Keys per scan step. Large enough that each step is a real matmul on a CPU, small
+# enough that the [T, block] score tile stays far below the T x S matrix.
+DEFAULT_BLOCK_K = 256
+
+
+def _blocks(x, block):
+  """[B, S, K, H] -> [S/block, B, block, K, H], zero-padded along S."""
+  B, S, K, H = x.shape
+  nblk = -(-S // block)
+  x = jnp.pad(x, ((0, 0), (0, nblk * block - S), (0, 0), (0, 0)))
+  return x.reshape(B, nblk, block, K, H).transpose(1, 0, 2, 3, 4)
+
+
+def _block_k(cfg, S):
+  bk = cfg.block_sizes.block_k if cfg.block_sizes is not None else DEFAULT_BLOCK_K
+  return max(1, min(bk, S))
+
+
+def _scores(qg, kj, j0, cfg, T, S, acc):
+  """Scaled logits of one key block, [B, K, G, T, bk], with padding/causal masked."""
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
+  cols = j0 + jnp.arange(kj.shape[1])
+  valid = (cols < S)[None, :]
+  if cfg.is_causal:
+    valid = valid & (jnp.arange(T)[:, None] >= cols[None, :])
+  return jnp.where(valid, s, -jnp.inf)
+
+
+def forward(q, k, v, cfg):
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  acc = stat_dtype(q.dtype)
+  bk = _block_k(cfg, S)
+  qg = q.reshape(B, T, K, G, H)
+
+  def step(carry, xs):
+    m_i, l_i, o = carry
+    kj, vj, j0 = xs
+    s = _scores(qg, kj, j0, cfg, T, S, acc)
+    # -- update m_i and l_i; a row with nothing visible yet keeps m = -inf, so use a
+    # finite stand-in to keep exp() free of (-inf) - (-inf).
+    m_new = jnp.maximum(m_i, s.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+    alpha = jnp.exp(m_i - m_safe)
+    p = jnp.exp(s - m_safe[..., None])
+    l_i = alpha * l_i + p.sum(-1)
+    o = alpha[..., None] * o + jnp.einsum(
+        "bkgts,bskh->bkgth", p.astype(q.dtype), vj, preferred_element_type=acc)
+    return (m_new, l_i, o), None
+
+  init = (jnp.full((B, K, G, T), -jnp.inf, acc), jnp.zeros((B, K, G, T), acc),
+          jnp.zeros((B, K, G, T, H), acc))
+  starts = jnp.arange(0, _blocks(k, bk).shape[0]) * bk
+  (m_i, l_i, o), _ = lax.scan(step, init, (_blocks(k, bk), _blocks(v, bk), starts))
+  has = l_i > 0  # a fully masked row gives zeros and lse = -inf
+  l_safe = jnp.where(has, l_i, 1)
+  out = jnp.where(has[..., None], o / l_safe[..., None], 0)
+  lse = jnp.where(has, m_i + jnp.log(l_safe), -jnp.inf)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
+  return out, lse.reshape(B, N, T)
+
+
+def backward(q, k, v, out, lse, dout, dlse, cfg):
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  acc = stat_dtype(q.dtype)
+  bk = _block_k(cfg, S)
+  qg = q.reshape(B, T, K, G, H)
+  dog = dout.reshape(B, T, K, G, H)
+  # delta_i = rowsum(dO_i * O_i) (FlashAttention-2, Algorithm 2, line 4), minus the
+  # lse cotangent (d lse_i / d s_ij = P_ij).
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc))
+  delta = (delta - dlse.astype(acc)).reshape(B, K, G, T)
+  lse = lse.reshape(B, K, G, T)
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+
+  def step(dq, xs):
+    kj, vj, j0 = xs
+    s = _scores(qg, kj, j0, cfg, T, S, acc)
+    p = jnp.exp(s - lse_safe[..., None])  # recomputed P; masked entries are exp(-inf) = 0
+    dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(q.dtype), dog, preferred_element_type=acc)
+    dp = jnp.einsum("btkgh,bskh->bkgts", dog, vj, preferred_element_type=acc)
+    ds = (p * (dp - delta[..., None]) * cfg.scale).astype(q.dtype)
+    dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kj, preferred_element_type=acc)
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg, preferred_element_type=acc)
+    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+  starts = jnp.arange(0, _blocks(k, bk).shape[0]) * bk
+  dq, (dk, dv) = lax.scan(step, jnp.zeros((B, T, K, G, H), acc),
+                          (_blocks(k, bk), _blocks(v, bk), starts))
+  unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(B, -1, K, H)[:, :S]
+  return dq.reshape(B, T, N, H).astype(q.dtype), unblock(dk), unblock(dv)

@@ -1,0 +1,133 @@
+"""Reference attention: the "xla" baseline, a float64 NumPy truth, and the tiled
+online-softmax algorithm written out in NumPy as an independent check of the kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def stat_dtype(dtype):
+  """Softmax statistics and accumulators: float32, or float64 for float64 inputs."""
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def causal_mask(T: int, S: int) -> np.ndarray:
+  """[T, S] bool, query i sees keys j <= i (top-left aligned, as jax.nn)."""
+  return np.arange(T)[:, None] >= np.arange(S)[None, :]
+
+
+# -- "xla": standard attention, materialises the [B, N, T, S] scores -------------
+
+def attention_xla(q, k, v, *, scale: float, is_causal: bool):
+  """Standard attention in plain XLA ops; returns (out, lse).
+
+  Scores are computed in the statistics dtype (float32 for half inputs): this is the
+  usual "upcast the logits" implementation, and its memory is O(T x S) per head.
+  """
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  acc = stat_dtype(q.dtype)
+  qg = q.reshape(B, T, K, N // K, H)
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * scale
+  if is_causal:
+    s = jnp.where(jnp.asarray(causal_mask(T, S)), s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0)  # fully masked row: exp(-inf - 0) = 0, no NaN
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  inv = jnp.where(l > 0, 1 / jnp.where(l > 0, l, 1), 0)
+  out = jnp.einsum("bkgts,bskh->btkgh", (p * inv).astype(q.dtype), v,
+                   preferred_element_type=acc)
+  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1)), -jnp.inf)[..., 0]
+  return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, N, T)
+
+
+# -- float64 NumPy truth -------------------------------------------------------------
+
+def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,
+                    dout=None):
+  """float64 reference. Returns (out, lse), or (out, lse, dq, dk, dv) with `dout`.
+
+  Gradients are the closed-form softmax backward:
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = s dS K, dK = s dS^T Q.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  scale = 1 / math.sqrt(H) if scale is None else scale
+  kr = np.repeat(k, G, axis=2)  # query head n uses key head n // G
+  vr = np.repeat(v, G, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  if is_causal:
+    s = np.where(causal_mask(T, S), s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0)
+  p = np.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    p = np.where(l > 0, p / l, 0)
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  if dout is None:
+    return out, lse
+  do = np.asarray(dout, np.float64)
+  dvr = np.einsum("bnts,btnh->bsnh", p, do)
+  dp = np.einsum("btnh,bsnh->bnts", do, vr)
+  delta = np.einsum("btnh,btnh->bnt", do, out)[..., None]
+  ds = p * (dp - delta)
+  dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+  dkr = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+  dk = dkr.reshape(B, S, K, G, H).sum(3)
+  dv = dvr.reshape(B, S, K, G, H).sum(3)
+  return out, lse, dq, dk, dv
+
+
+def attention_tiled_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,
+                          block_q: int = 32, block_k: int = 32):
+  """The FlashAttention-2 forward as the kernels run it, in float64 NumPy.
+
+  Outer loop over query blocks, inner loop over key blocks; a running max `m_i`,
+  running sum `l_i` and unnormalised accumulator `acc`, rescaled whenever the max
+  grows (FlashAttention-2, Algorithm 1). Causal key blocks past the diagonal are
+  never visited. Returns (out, lse, visited) where `visited` counts key tiles.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  scale = 1 / math.sqrt(H) if scale is None else scale
+  out = np.zeros((B, T, N, H))
+  lse = np.full((B, N, T), -np.inf)
+  visited = 0
+  for b in range(B):
+    for n in range(N):
+      kh, vh = k[b, :, n // G], v[b, :, n // G]
+      for i0 in range(0, T, block_q):
+        qi = q[b, i0:i0 + block_q, n]                    # [bq, H], the last one clipped
+        rows = np.arange(i0, i0 + len(qi))
+        m_i = np.full(len(qi), -np.inf)
+        l_i = np.zeros(len(qi))
+        acc = np.zeros((len(qi), H))
+        k_end = min(S, rows[-1] + 1) if is_causal else S  # skip tiles above the diagonal
+        for j0 in range(0, k_end, block_k):
+          visited += 1
+          s = qi @ kh[j0:j0 + block_k].T * scale
+          if is_causal:
+            s = np.where(rows[:, None] >= np.arange(j0, j0 + s.shape[1])[None], s, -np.inf)
+          # -- update m_i and l_i; exp(m_old - m_new) rescales what was summed so far
+          m_new = np.maximum(m_i, s.max(1))
+          m_safe = np.where(np.isfinite(m_new), m_new, 0)
+          alpha = np.exp(m_i - m_safe)
+          p = np.exp(s - m_safe[:, None])
+          l_i = alpha * l_i + p.sum(1)
+          acc = alpha[:, None] * acc + p @ vh[j0:j0 + block_k]
+          m_i = m_new
+        with np.errstate(divide="ignore", invalid="ignore"):
+          out[b, rows, n] = np.where(l_i[:, None] > 0, acc / l_i[:, None], 0)
+          lse[b, n, rows] = np.where(l_i > 0, m_i + np.log(l_i), -np.inf)
+  return out, lse, visited
