@@ -20,3 +20,11 @@ __all__ = [
     "default_implementation",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # `jflash.nn` pulls in Flax; load it on first use so `import jflash` stays light.
+  if name == "nn":
+    import importlib
+    return importlib.import_module("jflash.nn")
+  raise AttributeError(f"module 'jflash' has no attribute {name!r}")

@@ -1,0 +1,418 @@
+"""Flax integration: an `attention_fn` adapter for Flax's own attention modules, and
+NNX modules of our own (GQA attention with rotary embeddings, a pre-norm Transformer
+block, a decoder-only language model).
+
+Two ways in:
+  * `make_attention_fn(**options)` plugs `jflash.attention` into
+    `flax.nnx.MultiHeadAttention(attention_fn=...)` or
+    `flax.linen.MultiHeadDotProductAttention(attention_fn=...)`.
+  * `DecoderLM(LMConfig(...), rngs=...)` is a small GPT-style model whose attention
+    implementation is a config field, so one model runs on standard and flash attention.
+
+Nothing jflash cannot honour is dropped quietly. Flax's dense `mask`/`bias`, dropout and
+sown attention weights raise `NotImplementedError` until `jflash.attention` grows the
+matching keyword; which keywords it has is read from its signature on every call, so
+they are forwarded as soon as they exist, with no change here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jflash import api
+
+Array = jax.Array
+
+# Names of implementations that are not jflash's but are useful baselines in the same
+# model: "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only).
+JAX_NN_IMPLEMENTATIONS = ("cudnn",)
+
+
+def attention_parameters() -> frozenset[str]:
+  """Keyword names `jflash.attention` accepts right now (read, never assumed)."""
+  return frozenset(inspect.signature(api.attention).parameters)
+
+
+def _require(name: str, what: str):
+  if name not in attention_parameters():
+    raise NotImplementedError(
+        f"{what}: jflash.attention has no `{name}=` option yet, so this cannot be "
+        "honoured (it is not ignored)")
+
+
+def _flatten_batch(x, nb):
+  """[batch..., T, N, H] -> [prod(batch), T, N, H] (adds a batch axis when there is none)."""
+  return x.reshape((math.prod(x.shape[:nb]),) + x.shape[nb:])
+
+
+def _flatten_mask_batch(m, batch_shape):
+  """A mask/bias broadcastable to [batch..., N, T, S] -> 4-D, batch axes merged.
+
+  Batch axes of size one stay size one (no broadcast, so no copy); otherwise they are
+  broadcast to the query's batch shape and merged like the query's.
+  """
+  nb = len(batch_shape)
+  m = jnp.asarray(m)
+  m = m.reshape((1,) * (nb + 3 - m.ndim) + m.shape)
+  if all(d == 1 for d in m.shape[:nb]):
+    return m.reshape((1,) + m.shape[nb:])
+  m = jnp.broadcast_to(m, tuple(batch_shape) + m.shape[nb:])
+  return m.reshape((math.prod(batch_shape),) + m.shape[nb:])
+
+
+# Extra keywords some Flax versions pass to attention_fn. Each is honoured when its value
+# is the neutral one; anything else raises. `force_fp32_for_softmax` is always honoured:
+# jflash keeps softmax statistics in float32 whatever the input dtype.
+_NEUTRAL_EXTRAS = {
+    "force_fp32_for_softmax": (True, False),
+    "qk_attn_weights_einsum": (None,),
+    "attn_weights_value_einsum": (None,),
+    "einsum_dot_general": (None,),
+}
+
+
+def make_attention_fn(**attention_options) -> Callable[..., Array]:
+  """Returns a Flax-compatible `attention_fn` computing with `jflash.attention`.
+
+  Args:
+    **attention_options: keywords for `jflash.attention` applied to every call
+      (`implementation=`, `is_causal=`, `block_sizes=`, `scale=`, and whichever masking
+      options `jflash.attention` supports). A name it does not accept raises
+      `NotImplementedError` here, not at the first call.
+
+  Returns:
+    `attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+    dropout_rng=None, dropout_rate=0., deterministic=False, dtype=None,
+    precision=None, module=None, is_causal=False, **extras)` with Flax's layout
+    `[batch..., length, heads, head_dim]`; GQA when key/value have fewer heads.
+
+  Causal self-attention: pass `is_causal=True` (here or to
+  `nnx.MultiHeadAttention.__call__`) rather than `mask=nnx.make_causal_mask(...)`.
+  A dense mask's contents are unknown at trace time, so it cannot be recognised as
+  causal; it is forwarded once `jflash.attention` takes `mask=`, and raises before.
+  """
+  accepted = attention_parameters()
+  for name in attention_options:
+    if name in ("query", "key", "value"):
+      raise ValueError(f"{name} is the adapter's positional input, not an option")
+    if name == "return_residuals":
+      raise ValueError("return_residuals: Flax expects the attention output alone")
+    if name not in accepted:
+      raise NotImplementedError(
+          f"jflash.attention has no option {name!r} (it accepts {sorted(accepted)})")
+  static = dict(attention_options)
+  base_causal = bool(static.pop("is_causal", False))
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                   dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                   precision=None, module=None, is_causal=False, promote_dtype=None,
+                   **extras):
+    for name, val in extras.items():
+      # A future Flax keyword left at None means "not used"; anything else we do not
+      # know how to honour.
+      if name in _NEUTRAL_EXTRAS and any(val is n for n in _NEUTRAL_EXTRAS[name]):
+        continue
+      if val is None:
+        continue
+      raise NotImplementedError(f"attention_fn got {name}={val!r}, which jflash cannot honour")
+    if module is not None:
+      raise NotImplementedError(
+          "sow_weights: flash attention never forms the attention weights, so there "
+          "are none to sow")
+    if precision is not None and precision not in (jax.lax.Precision.DEFAULT, "default"):
+      raise NotImplementedError(
+          f"precision={precision!r}: jflash picks its own matmul precision (inputs in "
+          "their dtype, float32 accumulation)")
+
+    # Flax promotes q, k, v to one dtype (`dtype` if given) before attending.
+    if promote_dtype is not None:
+      query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+      dt = dtype if dtype is not None else jnp.result_type(query, key, value)
+      query, key, value = (x.astype(dt) for x in (query, key, value))
+
+    if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+      raise ValueError(
+          "query, key, value must be [batch..., length, heads, head_dim] of one rank, got "
+          f"{query.shape=}, {key.shape=}, {value.shape=}")
+    batch_shape = query.shape[:-3]
+    nb = len(batch_shape)
+    q, k, v = (_flatten_batch(x, nb) for x in (query, key, value))
+
+    kwargs = dict(static)
+    kwargs["is_causal"] = base_causal or bool(is_causal)
+    for name, arr in (("mask", mask), ("bias", bias)):
+      if arr is None:
+        continue
+      _require(name, f"a dense {name} of shape {tuple(jnp.shape(arr))}")
+      if name in kwargs:
+        raise ValueError(f"{name} given both to make_attention_fn and at call time")
+      arr = _flatten_mask_batch(arr, batch_shape)
+      kwargs[name] = arr.astype(jnp.bool_) if name == "mask" else arr
+    if not deterministic and dropout_rate > 0.0:
+      _require("dropout_rate", f"dropout_rate={dropout_rate}")
+      _require("dropout_rng", "dropout")
+      if broadcast_dropout:
+        # Flax's default draws one mask shared across batch and heads; a per-element
+        # kernel mask is a different distribution, so it must be asked for explicitly.
+        _require("broadcast_dropout",
+                 "broadcast_dropout=True (set broadcast_dropout=False for per-head dropout)")
+        kwargs["broadcast_dropout"] = True
+      if dropout_rng is None:
+        raise ValueError("dropout_rate > 0 and not deterministic needs a dropout_rng")
+      kwargs["dropout_rate"] = float(dropout_rate)
+      kwargs["dropout_rng"] = dropout_rng
+
+    out = api.attention(q, k, v, **kwargs)
+    return out.reshape(batch_shape + out.shape[1:])
+
+  return attention_fn
+
+
+# -- our own modules ------------------------------------------------------------------
+
+def apply_rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
+  """Rotary position embedding (RoFormer, Su et al. 2021), half-split layout.
+
+  x: [B, T, N, H] with H even; positions: [B, T] or [T] integer positions. Angles are
+  computed in float32: in bfloat16, positions past 256 would collide.
+  """
+  H = x.shape[-1]
+  if H % 2:
+    raise ValueError(f"rotary embeddings need an even head_dim, got {H}")
+  half = H // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  positions = jnp.asarray(positions)
+  if positions.ndim == 1:
+    positions = positions[None]
+  ang = positions[..., None].astype(jnp.float32) * inv_freq   # [B, T, H/2]
+  sin, cos = jnp.sin(ang)[:, :, None], jnp.cos(ang)[:, :, None]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
+                   segment_ids=None, **options):
+  """[B, T, N, H] attention through jflash, or through jax.nn for the "cudnn" baseline.
+
+  Options other than is_causal/scale/implementation (e.g. `local_window_size`,
+  `block_sizes`) and `segment_ids` are forwarded to `jflash.attention` when it accepts
+  them and raise `NotImplementedError` when it does not.
+  """
+  if implementation in JAX_NN_IMPLEMENTATIONS:
+    extra = dict(options, **({} if segment_ids is None else {"segment_ids": segment_ids}))
+    if extra:
+      raise NotImplementedError(
+          f"implementation={implementation!r} is the jax.nn baseline here and takes no "
+          f"options beyond is_causal/scale, got {sorted(extra)}")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal,
+                                        implementation=implementation)
+  for name in options:
+    _require(name, f"{name}={options[name]!r}")
+  if segment_ids is not None:
+    _require("segment_ids", "segment_ids")
+    options = dict(options, segment_ids=segment_ids)
+  return api.attention(q, k, v, scale=scale, is_causal=is_causal,
+                       implementation=implementation, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  """Size and options of `DecoderLM`. Plain values only, so it serialises to JSON.
+
+  Attributes:
+    vocab_size: tokens (256 for bytes).
+    num_layers, hidden: depth and model width.
+    num_heads, num_kv_heads: query heads and key/value heads (GQA when fewer; None
+      means num_heads).
+    head_dim: per-head width; None means hidden // num_heads.
+    seq_len: the training context (data and benchmarks use it; RoPE needs no maximum).
+    mlp_hidden: width of the MLP; None means 4 * hidden.
+    attention_implementation: passed to `jflash.attention` ("xla" is standard
+      attention, "xla_chunked"/"pallas" flash, None the platform default), or "cudnn"
+      for jax.nn's cuDNN kernel.
+    local_window_size: sliding-window attention, forwarded to jflash when supported.
+    remat: recompute each block in the backward pass (jax.checkpoint via nnx.remat).
+    scan_layers: run the blocks as one `nnx.scan` over stacked weights: one block is
+      compiled instead of num_layers, which keeps 12+-layer compiles short.
+    dtype: compute dtype of activations; parameters stay in `param_dtype`.
+    rope_base: rotary base frequency.
+  """
+
+  vocab_size: int = 256
+  num_layers: int = 2
+  hidden: int = 128
+  num_heads: int = 4
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  seq_len: int = 256
+  mlp_hidden: int | None = None
+  attention_implementation: str | None = None
+  local_window_size: tuple[int, int] | None = None
+  remat: bool = False
+  scan_layers: bool = True
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  rope_base: float = 10000.0
+
+  def __post_init__(self):
+    kv = self.kv_heads
+    if self.num_heads % kv:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={kv}")
+    if self.head_dim is None and self.hidden % self.num_heads:
+      raise ValueError(
+          f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "
+          "set head_dim explicitly")
+    for name in ("vocab_size", "num_layers", "hidden", "num_heads", "seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.hidden // self.num_heads
+
+  @property
+  def mlp_width(self) -> int:
+    return self.mlp_hidden or 4 * self.hidden
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with GQA and rotary embeddings on jflash.
+
+  `is_causal`, `local_window_size` and `segment_ids` are forwarded to
+  `jflash.attention`; an option it does not support yet raises `NotImplementedError`
+  at construction (options) or call (segment_ids), never silently dropped.
+  """
+
+  def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None,
+               head_dim: int | None = None, *, is_causal: bool = True,
+               local_window_size: tuple[int, int] | None = None, use_rope: bool = True,
+               rope_base: float = 10000.0, implementation: str | None = None,
+               block_sizes=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    num_kv_heads = num_kv_heads or num_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+    head_dim = head_dim or hidden // num_heads
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.is_causal, self.use_rope, self.rope_base = is_causal, use_rope, rope_base
+    self.implementation = implementation
+    options = {}
+    if local_window_size is not None:
+      options["local_window_size"] = tuple(local_window_size)
+    if block_sizes is not None:
+      options["block_sizes"] = block_sizes
+    if implementation not in JAX_NN_IMPLEMENTATIONS:
+      for name, val in options.items():
+        _require(name, f"{name}={val!r}")
+    elif options:
+      raise NotImplementedError(
+          f"implementation={implementation!r} takes no options, got {sorted(options)}")
+    self.options = options
+    lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.query = nnx.LinearGeneral(hidden, (num_heads, head_dim), **lin)
+    self.key = nnx.LinearGeneral(hidden, (num_kv_heads, head_dim), **lin)
+    self.value = nnx.LinearGeneral(hidden, (num_kv_heads, head_dim), **lin)
+    self.out = nnx.LinearGeneral((num_heads, head_dim), hidden, axis=(-2, -1), **lin)
+
+  def __call__(self, x: Array, *, positions: Array | None = None,
+               segment_ids: Array | None = None) -> Array:
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    if self.use_rope:
+      if positions is None:
+        positions = jnp.arange(x.shape[1])
+      q = apply_rope(q, positions, self.rope_base)
+      k = apply_rope(k, positions, self.rope_base)
+    o = core_attention(q, k, v, implementation=self.implementation,
+                       is_causal=self.is_causal, segment_ids=segment_ids, **self.options)
+    return self.out(o)
+
+
+class Block(nnx.Module):
+  """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.attn_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.attn = Attention(cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
+                          is_causal=True, local_window_size=cfg.local_window_size,
+                          rope_base=cfg.rope_base,
+                          implementation=cfg.attention_implementation, dtype=dt,
+                          param_dtype=pdt, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.up = nnx.Linear(cfg.hidden, cfg.mlp_width, use_bias=False, dtype=dt,
+                         param_dtype=pdt, rngs=rngs)
+    self.down = nnx.Linear(cfg.mlp_width, cfg.hidden, use_bias=False, dtype=dt,
+                           param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x, positions=None, segment_ids=None):
+    x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids)
+    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class DecoderLM(nnx.Module):
+  """Decoder-only language model: token embedding, `num_layers` blocks, tied output.
+
+  `__call__(tokens [B, T] int) -> logits [B, T, vocab]` in float32.
+  """
+
+  def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=jnp.dtype(cfg.dtype),
+                           param_dtype=pdt, rngs=rngs)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make_blocks(rngs):
+        return Block(cfg, rngs=rngs)
+      self.blocks = make_blocks(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = nnx.RMSNorm(cfg.hidden, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt,
+                            rngs=rngs)
+
+  def __call__(self, tokens: Array, *, positions: Array | None = None,
+               segment_ids: Array | None = None) -> Array:
+    cfg = self.cfg
+    x = self.embed(tokens)
+
+    def run_block(block, h):
+      return block(h, positions, segment_ids)
+    if cfg.remat:
+      # Keep only each block's input; its activations are recomputed in the backward.
+      run_block = nnx.remat(run_block)
+    if cfg.scan_layers:
+      x = nnx.scan(run_block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+    else:
+      for block in self.blocks:
+        x = run_block(block, x)
+    x = self.norm(x)
+    return self.embed.attend(x).astype(jnp.float32)
+
+
+def count_params(module: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))
+
+
+def lm_flops_per_token(cfg: LMConfig, seq_len: int | None = None) -> float:
+  """Training FLOPs per token: 6 x (non-embedding params + tied output matmul) plus the
+  attention matmuls (causal: half of 4 T H per head per layer, x3 for fwd + bwd;
+  PaLM appendix B counting)."""
+  T = seq_len or cfg.seq_len
+  H, N, K, D = cfg.dim_per_head, cfg.num_heads, cfg.kv_heads, cfg.hidden
+  per_layer = D * (N + 2 * K) * H + N * H * D + 2 * D * cfg.mlp_width
+  dense = cfg.num_layers * per_layer + D * cfg.vocab_size
+  attn = cfg.num_layers * 6 * N * H * T  # 12 N H T x 0.5 for causal
+  return 6.0 * dense + attn

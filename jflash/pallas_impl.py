@@ -1,0 +1,24 @@
+""""pallas": the Pallas kernels behind jflash's custom_vjp."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import backward as _bwd
+from pallas_kernels import forward as _fwd
+from pallas_kernels.tuning import padded_head_dim
+
+
+def supports(q, k, v, cfg):
+  H = q.shape[-1]
+  if padded_head_dim(H) > 256:
+    raise NotImplementedError(f"pallas kernels support head_dim <= 256, got {H}")
+
+
+def forward(q, k, v, cfg):
+  return _fwd.flash_forward(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal,
+                            block_sizes=cfg.block_sizes)
+
+
+def backward(q, k, v, out, lse, dout, dlse, cfg):
+  return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale,
+                             is_causal=cfg.is_causal, block_sizes=cfg.block_sizes)

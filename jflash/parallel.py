@@ -1,0 +1,476 @@
+"""Context parallelism: ring attention over a sequence sharded across devices.
+
+Shape legend as in `jflash.attention`: B batch, T query length, S key/value length,
+N query heads, K key/value heads, H head dim; P devices on the ring axis. Inside
+`shard_map` every array below is the local shard, `[B, T/P, N, H]` and `[B, S/P, K, H]`.
+
+The algorithm (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the
+zigzag layout as in Megatron-LM context parallelism / zhuzilin's ring-flash-attention):
+
+  forward   each device keeps its query shard; the key/value shards travel round the
+            ring with `lax.ppermute` (device d sends to d+1), P-1 hops. On every step
+            the local implementation's `forward` gives a partial `(out, lse)` for one
+            key/value block and the partials merge through their lse (the online-softmax
+            merge). The transfer of the next block is issued before the compute of the
+            current one and does not depend on it, so XLA may overlap the two.
+  backward  a second ring over the same blocks. With the GLOBAL `out` and `lse`,
+            `impl.backward` on one (query shard, key/value block) pair is exactly that
+            pair's term of dQ, dK, dV (P = exp(s - lse) is already normalised, and
+            delta = rowsum(dO * O) - dlse is a per-row global). dQ accumulates at home;
+            the dK/dV accumulators travel with their key/value blocks and take one last
+            hop back to their owners (P hops), so no device ever holds the full sequence.
+  causal    with `layout="zigzag"` the global sequence is cut into 2P chunks and device
+            i holds chunks i and 2P-1-i (`zigzag_permute`). Any (query chunk, key chunk)
+            pair is then fully visible, fully masked, or on the diagonal, where it is
+            plain causal attention between equal-length chunks at equal offsets. Each
+            device computes the three unmasked pairs of its own block and exactly two
+            chunk pairs of every other block, so the work is equal on all devices
+            (`chunk_pairs_per_device`). `layout="contiguous"` keeps the natural order;
+            it skips the fully masked blocks too, but device i then does 4i+3 pairs.
+
+Memory per device is linear in the local sequence length: one query shard, two
+key/value blocks in flight (the current one and the next), the float32 accumulators,
+and whatever the local implementation needs for one block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jflash import api
+from jflash.reference import stat_dtype
+
+Array = jax.Array
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# -- jax version compatibility ------------------------------------------------------
+
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = True):
+  """`jax.shard_map` where it exists, else `jax.experimental.shard_map.shard_map`.
+
+  The replication/varying-axes checker is called `check_vma` by `jax.shard_map` and
+  `check_rep` by the older experimental function; this takes the new name for both.
+  """
+  sm = getattr(jax, "shard_map", None)
+  if sm is None:
+    from jax.experimental.shard_map import shard_map as sm
+  params = inspect.signature(sm).parameters
+  check = "check_vma" if "check_vma" in params else "check_rep"
+  return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: check_vma})
+
+
+def _axis_size(axis_name) -> int:
+  if hasattr(lax, "axis_size"):
+    return int(lax.axis_size(axis_name))
+  return int(lax.psum(1, axis_name))  # older jax: a psum of a Python int is static
+
+
+# -- mesh, specs and the token order ------------------------------------------------
+
+def make_mesh(num_devices: int | None = None, axis_name: str = "sp", *,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A one-axis mesh for the sequence ring, over the first `num_devices` devices.
+
+  The axis is of type Auto where jax has axis types, so `shard_map` (and so
+  `ring_attention`) reshards unsharded inputs itself instead of rejecting them.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices) if num_devices is None else num_devices
+  if not isinstance(n, int) or not 1 <= n <= len(devices):
+    raise ValueError(f"num_devices={num_devices!r} must be an int in [1, {len(devices)}]")
+  kwargs = {}
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  if axis_type is not None:
+    kwargs["axis_types"] = (axis_type.Auto,)
+  return Mesh(np.asarray(devices[:n]), (axis_name,), **kwargs)
+
+
+def sequence_spec(axis_name: str = "sp", batch_axis: str | None = None) -> PartitionSpec:
+  """The spec of a `[B, T, heads, H]` array (q, k, v, out) with T over `axis_name`."""
+  return PartitionSpec(batch_axis, axis_name, None, None)
+
+
+def lse_spec(axis_name: str = "sp", batch_axis: str | None = None) -> PartitionSpec:
+  """The spec of the `[B, N, T]` lse returned with `return_residuals=True`."""
+  return PartitionSpec(batch_axis, None, axis_name)
+
+
+def _zigzag_order(num_shards: int) -> np.ndarray:
+  """Chunk order: device i holds chunks (i, 2P-1-i), so order = [0, 2P-1, 1, 2P-2, ...]."""
+  return np.stack([np.arange(num_shards), 2 * num_shards - 1 - np.arange(num_shards)],
+                  axis=1).reshape(-1)
+
+
+def _check_zigzag(x, num_shards, axis):
+  if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis={axis} is out of range for an array of rank {x.ndim}")
+  axis %= x.ndim
+  if x.shape[axis] % (2 * num_shards):
+    raise ValueError(
+        f"sequence length {x.shape[axis]} (axis {axis}) must be a multiple of "
+        f"2 * num_shards = {2 * num_shards} for the zigzag layout")
+  return axis
+
+
+def _permute_chunks(x, order, axis):
+  n = len(order)
+  shape = x.shape
+  x = x.reshape(shape[:axis] + (n, shape[axis] // n) + shape[axis + 1:])
+  x = jnp.take(x, jnp.asarray(order), axis=axis)
+  return x.reshape(shape)
+
+
+def zigzag_permute(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """Natural token order -> zigzag order, so contiguous sharding puts chunks i and
+  2P-1-i on device i. Works for q/k/v `[B, T, ...]` (axis=1) and ids `[B, T]`."""
+  axis = _check_zigzag(x, num_shards, axis)
+  return _permute_chunks(x, _zigzag_order(num_shards), axis)
+
+
+def zigzag_unpermute(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """The inverse of `zigzag_permute` (the lse of shape [B, N, T] takes axis=2)."""
+  axis = _check_zigzag(x, num_shards, axis)
+  return _permute_chunks(x, np.argsort(_zigzag_order(num_shards)), axis)
+
+
+# -- which part of a (query shard, key/value block) pair is computed ----------------
+# Each local shard is two chunks of c = T/(2P) tokens. A case names the chunk pairs
+# (local query chunk, local key chunk) that one ring step computes; every other pair
+# of that step is fully masked and skipped.
+
+FULL, DIAG, LOWER, UPPER, SKIP = range(5)
+CASE_NAMES = {FULL: "full", DIAG: "diag", LOWER: "lower", UPPER: "upper", SKIP: "skip"}
+CASE_PAIRS = {
+    FULL: ((0, 0), (0, 1), (1, 0), (1, 1)),  # no mask: the whole block
+    DIAG: ((0, 0), (1, 0), (1, 1)),          # the own block: plain causal
+    LOWER: ((0, 0), (1, 0)),                 # zigzag, source j < i: all queries, first key chunk
+    UPPER: ((1, 0), (1, 1)),                 # zigzag, source j > i: last query chunk, all keys
+    SKIP: (),                                # contiguous, source j > i: fully masked
+}
+
+
+def block_case(i, j, *, is_causal: bool, layout: str):
+  """The case of device i's queries against the block that device j owns.
+
+  Works on Python ints and on traced ones (`lax.axis_index` inside the ring), so the
+  ring and `chunk_pairs_per_device` use one rule.
+  """
+  if not is_causal:
+    return FULL
+  if layout == "zigzag":
+    # chunks (i, 2P-1-i) against (j, 2P-1-j): for j < i the first key chunk is below
+    # both query chunks and the second above both; for j > i both key chunks are
+    # above query chunk i and below query chunk 2P-1-i.
+    return jnp.where(i == j, DIAG, jnp.where(j < i, LOWER, UPPER))
+  return jnp.where(i == j, DIAG, jnp.where(j < i, FULL, SKIP))
+
+
+def _step_cases(is_causal: bool, layout: str) -> tuple[int, ...]:
+  """The cases a step other than the first can take (the first is always the own block)."""
+  if not is_causal:
+    return (FULL,)
+  return (LOWER, UPPER) if layout == "zigzag" else (FULL, SKIP)
+
+
+def chunk_pairs_per_device(num_shards: int, *, is_causal: bool,
+                           layout: str = "zigzag") -> list[int]:
+  """Number of (query chunk, key chunk) pairs of c = T/(2P) tokens each device computes.
+
+  Zigzag causal: 3 + 2(P-1) on every device; contiguous causal: 4i + 3 on device i.
+  """
+  _check_layout(layout)
+  return [sum(len(CASE_PAIRS[int(block_case(i, (i - s) % num_shards, is_causal=is_causal,
+                                             layout=layout))])
+              for s in range(num_shards)) for i in range(num_shards)]
+
+
+def _check_layout(layout):
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+
+
+# -- the ring ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """Static description of one ring_attention call (hashable: a nondiff argument)."""
+
+  axis_name: str
+  size: int
+  layout: str
+  impl: api.Implementation
+  cfg: api.AttentionConfig  # cfg.is_causal is the global mask; blocks get their own
+
+  def local(self, causal: bool) -> api.AttentionConfig:
+    return dataclasses.replace(self.cfg, is_causal=causal)
+
+  def perm(self):
+    return [(d, (d + 1) % self.size) for d in range(self.size)]
+
+
+def _merge(o1, l1, o2, l2):
+  """Online-softmax merge of two normalised partials (out [B,T,N,H], lse [B,N,T]).
+
+  out = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2), lse = log(e^l1 + e^l2), computed against
+  the larger lse. A row that no block has seen (both -inf) stays out = 0, lse = -inf.
+  """
+  m = jnp.maximum(l1, l2)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0)  # keeps exp() free of (-inf) - (-inf)
+  w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
+  tot = w1 + w2
+  has = tot > 0
+  tot_safe = jnp.where(has, tot, 1)
+  lse = jnp.where(has, m_safe + jnp.log(tot_safe), -jnp.inf)
+  to_btn = lambda w: jnp.swapaxes(jnp.where(has, w / tot_safe, 0), 1, 2)[..., None]
+  return o1 * to_btn(w1) + o2 * to_btn(w2), lse
+
+
+def _pad_seq(x, before, after, axis):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (before, after)
+  return jnp.pad(x, pad)
+
+
+def _block_forward(ring: _Ring, case: int, q, k, v):
+  """One block's partial (out in the stat dtype, lse), always of the local query shape."""
+  acc = stat_dtype(q.dtype)
+  c = q.shape[1] // 2
+  if case == SKIP:
+    return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
+  if case in (FULL, DIAG):
+    out, lse = ring.impl.forward(q, k, v, ring.local(case == DIAG))
+  elif case == LOWER:
+    out, lse = ring.impl.forward(q, k[:, :c], v[:, :c], ring.local(False))
+  else:  # UPPER: the first query chunk sees nothing of this block
+    out, lse = ring.impl.forward(q[:, c:], k, v, ring.local(False))
+    out = _pad_seq(out, c, 0, 1)
+    lse = jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2)
+  return out.astype(acc), lse.astype(acc)
+
+
+def _block_backward(ring: _Ring, case: int, q, k, v, out, lse, dout, dlse):
+  """One block's terms of (dq, dk, dv) from the global out/lse, in the stat dtype."""
+  acc = stat_dtype(q.dtype)
+  c = q.shape[1] // 2
+  if case == SKIP:
+    return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
+  if case in (FULL, DIAG):
+    dq, dk, dv = ring.impl.backward(q, k, v, out, lse, dout, dlse, ring.local(case == DIAG))
+  elif case == LOWER:
+    dq, dk, dv = ring.impl.backward(q, k[:, :c], v[:, :c], out, lse, dout, dlse,
+                                    ring.local(False))
+    dk, dv = _pad_seq(dk, 0, c, 1), _pad_seq(dv, 0, c, 1)
+  else:  # UPPER
+    dq, dk, dv = ring.impl.backward(q[:, c:], k, v, out[:, c:], lse[..., c:],
+                                    dout[:, c:], dlse[..., c:], ring.local(False))
+    dq = _pad_seq(dq, c, 0, 1)
+  return dq.astype(acc), dk.astype(acc), dv.astype(acc)
+
+
+def _dispatch(ring: _Ring, fn, cases, case, *args):
+  """`fn(ring, case, *args)` for a traced case drawn from the static tuple `cases`."""
+  if len(cases) == 1:
+    return fn(ring, cases[0], *args)
+  index = jnp.argmax(jnp.asarray(cases) == case)
+  return lax.switch(index, [functools.partial(fn, ring, c) for c in cases], *args)
+
+
+def _source(ring: _Ring, step):
+  """The owner of the key/value block that this device holds at ring step `step`."""
+  return (lax.axis_index(ring.axis_name) - step) % ring.size
+
+
+def _ring_forward(ring: _Ring, q, k, v):
+  causal, layout = ring.cfg.is_causal, ring.layout
+  cases = _step_cases(causal, layout)
+  ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
+  kv = (k, v)
+  # Step 0 is the own block (the diagonal when causal). Its send is issued first.
+  nxt = ppermute(kv) if ring.size > 1 else kv
+  o, l = _block_forward(ring, DIAG if causal else FULL, q, k, v)
+
+  def step(carry, s):
+    o, l, kv = carry
+    nxt = ppermute(kv)  # the next block's transfer, independent of this step's compute
+    case = block_case(lax.axis_index(ring.axis_name), _source(ring, s),
+                      is_causal=causal, layout=layout)
+    o2, l2 = _dispatch(ring, _block_forward, cases, case, q, *kv)
+    return (*_merge(o, l, o2, l2), nxt), None
+
+  if ring.size > 2:
+    (o, l, nxt), _ = lax.scan(step, (o, l, nxt), jnp.arange(1, ring.size - 1))
+  if ring.size > 1:  # the last block: nothing left to send
+    s = ring.size - 1
+    case = block_case(lax.axis_index(ring.axis_name), _source(ring, s),
+                      is_causal=causal, layout=layout)
+    o2, l2 = _dispatch(ring, _block_forward, cases, case, q, *nxt)
+    o, l = _merge(o, l, o2, l2)
+  return o.astype(q.dtype), l
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse):
+  causal, layout = ring.cfg.is_causal, ring.layout
+  cases = _step_cases(causal, layout)
+  ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
+  res = (out, lse, dout, dlse)
+  kv = (k, v)
+  nxt = ppermute(kv) if ring.size > 1 else kv
+  dq, dk, dv = _block_backward(ring, DIAG if causal else FULL, q, k, v, *res)
+
+  def contrib(s, kv):
+    case = block_case(lax.axis_index(ring.axis_name), _source(ring, s),
+                      is_causal=causal, layout=layout)
+    return _dispatch(ring, _block_backward, cases, case, q, *kv, *res)
+
+  def step(carry, s):
+    dq, kv, dkv = carry
+    nxt = ppermute(kv)
+    # The accumulator of the block now held arrives from the previous holder; it is
+    # needed only after this step's compute, so its transfer can overlap it too.
+    dk, dv = ppermute(dkv)
+    dq_s, dk_s, dv_s = contrib(s, kv)
+    return (dq + dq_s, nxt, (dk + dk_s, dv + dv_s)), None
+
+  if ring.size > 2:
+    (dq, nxt, (dk, dv)), _ = lax.scan(step, (dq, nxt, (dk, dv)),
+                                       jnp.arange(1, ring.size - 1))
+  if ring.size > 1:
+    dk, dv = ppermute((dk, dv))
+    dq_s, dk_s, dv_s = contrib(ring.size - 1, nxt)
+    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+    # The holder of block j after the last step is device j-1: one hop home.
+    dk, dv = ppermute((dk, dv))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, ring: _Ring):
+  return _ring_forward(ring, q, k, v)
+
+
+def _ring_fwd(q, k, v, ring):
+  out, lse = _ring_forward(ring, q, k, v)
+  return (out, lse), (q, k, v, out, lse)
+
+
+def _ring_bwd(ring, res, cotangents):
+  q, k, v, out, lse = res
+  dout, dlse = cotangents
+  return _ring_backward(ring, q, k, v, out, lse, dout, dlse)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _resolve(implementation, q, k, v, cfg) -> api.Implementation:
+  impl = api._resolve(implementation, q, k, v, cfg)
+  if impl.forward is None or impl.backward is None:
+    raise NotImplementedError(
+        f"implementation={impl.name!r} has no forward/backward split with an lse; "
+        "ring attention merges blocks through their lse: use a flash-type "
+        "implementation such as 'xla_chunked'")
+  # The blocks run non-causal (T/P x S/P and the zigzag halves) and causal on the
+  # own block; the implementation must accept all of them.
+  for causal in (False, cfg.is_causal):
+    impl.supports(q, k, v, dataclasses.replace(cfg, is_causal=causal))
+  return impl
+
+
+def ring_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    axis_name: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    implementation: str | Sequence[str] | None = None,
+    layout: str = "zigzag",
+    segment_ids: Array | None = None,
+    block_sizes: api.BlockSizes | None = None,
+    return_residuals: bool = False,
+) -> Array | tuple[Array, Array]:
+  """Exact attention over a sequence sharded on `axis_name`; call inside `shard_map`.
+
+  Args:
+    query: the local shard `[B, T/P, N, H]` of a sequence sharded contiguously over
+      `axis_name` (spec `sequence_spec(axis_name)`).
+    key, value: local shards `[B, S/P, K, H]`, N a multiple of K (GQA/MQA).
+    axis_name: the mesh axis the sequence is sharded over (the ring).
+    is_causal: query i sees keys j <= i in the GLOBAL natural order (top-left
+      aligned, as `jflash.attention`); needs T == S.
+    scale: logits scale; None means `1/sqrt(H)`.
+    implementation: the local block implementation, as in `jflash.attention`; it must
+      be a flash-type one (forward/backward with an lse), so not "xla".
+    layout: how the global sequence was laid out before sharding. "zigzag": it was
+      permuted with `zigzag_permute(x, P)` (device i holds chunks i and 2P-1-i), which
+      balances causal work; "contiguous": natural order. For non-causal attention the
+      two are the same computation.
+    segment_ids: not supported yet (raises NotImplementedError): the block
+      implementations take no segment ids so far.
+    block_sizes: passed to the local implementation.
+    return_residuals: also return the local lse `[B, N, T/P]` (spec `lse_spec`).
+
+  Returns:
+    The local output shard `[B, T/P, N, H]` in the same token order as the inputs,
+    or `(out, lse)`.
+  """
+  api._check_inputs(query, key, value)
+  cfg = api._make_config(query, scale=scale, is_causal=is_causal, block_sizes=block_sizes)
+  _check_layout(layout)
+  if segment_ids is not None:
+    # Correct support needs the query-shard ids at home and the key ids travelling
+    # with their K/V block, passed to every block's forward and backward; the
+    # implementations' forward/backward do not take segment ids yet.
+    raise NotImplementedError(
+        "ring_attention(segment_ids=...) is not supported yet: the local "
+        "implementations' forward/backward take no segment ids")
+  if not isinstance(axis_name, str):
+    raise ValueError(f"axis_name={axis_name!r} must be the name (str) of one mesh axis")
+  try:
+    size = _axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not a bound mesh axis: call ring_attention "
+        "inside shard_map over a mesh with that axis") from None
+  T, S = query.shape[1], key.shape[1]
+  if is_causal:
+    if T != S:
+      raise ValueError(
+          f"causal ring attention needs equal local query and key lengths, got "
+          f"T/P={T} and S/P={S}")
+    if layout == "zigzag" and T % 2:
+      raise ValueError(
+          f"the zigzag layout needs an even local length (two chunks), got T/P={T}; "
+          f"the global length must be a multiple of 2P = {2 * size}")
+  impl = _resolve(implementation, query, key, value, cfg)
+  out, lse = _ring(query, key, value, _Ring(axis_name, size, layout, impl, cfg))
+  return (out, lse) if return_residuals else out
+
+
+def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
+                           batch_axis: str | None = None, check_vma: bool = True,
+                           **kwargs):
+  """`ring_attention` wrapped in `shard_map` for global `[B, T, N, H]` arrays.
+
+  The sequence order of the arrays is the one `ring_attention` expects for `layout`
+  (apply `zigzag_permute` first for "zigzag"). `kwargs` go to `ring_attention`.
+  """
+  spec = sequence_spec(axis_name, batch_axis)
+  out_specs = (spec, lse_spec(axis_name, batch_axis)) if kwargs.get(
+      "return_residuals") else spec
+  fn = functools.partial(ring_attention, axis_name=axis_name, **kwargs)
+  return shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs,
+                   check_vma=check_vma)
