@@ -184,6 +184,27 @@ def _flash_bwd(impl, cfg, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def first_order_only(fn: Callable, what: str) -> Callable:
+  """Wraps an array function whose kernels have no derivative of their own.
+
+  The custom_vjp above never differentiates `forward`/`backward` for a first-order
+  gradient; a second-order one (grad of grad) would, and gets a clear error instead of
+  a failure deep inside the kernel lowering.
+  """
+  @jax.custom_jvp
+  def wrapped(*args):
+    return fn(*args)
+
+  @wrapped.defjvp
+  def _jvp(primals, tangents):
+    raise NotImplementedError(
+        f"{what} has no derivative of its own, so second-order gradients (grad of "
+        "grad, hessians) are not implemented for it; use implementation='xla_chunked'"
+        " or 'xla' for higher-order derivatives")
+
+  return wrapped
+
+
 def attention(
     query: Array,
     key: Array,

@@ -1,7 +1,9 @@
 """"pallas": the Pallas kernels behind jflash's custom_vjp."""
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+
+from jflash.api import first_order_only
 
 from pallas_kernels import backward as _bwd
 from pallas_kernels import forward as _fwd
@@ -15,10 +17,12 @@ def supports(q, k, v, cfg):
 
 
 def forward(q, k, v, cfg):
-  return _fwd.flash_forward(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal,
-                            block_sizes=cfg.block_sizes)
+  fwd = functools.partial(_fwd.flash_forward, scale=cfg.scale, is_causal=cfg.is_causal,
+                          block_sizes=cfg.block_sizes)
+  return first_order_only(fwd, "the pallas forward kernel")(q, k, v)
 
 
 def backward(q, k, v, out, lse, dout, dlse, cfg):
-  return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale,
-                             is_causal=cfg.is_causal, block_sizes=cfg.block_sizes)
+  bwd = functools.partial(_bwd.flash_backward, scale=cfg.scale, is_causal=cfg.is_causal,
+                          block_sizes=cfg.block_sizes)
+  return first_order_only(bwd, "the pallas backward kernels")(q, k, v, out, lse, dout, dlse)
