@@ -126,10 +126,9 @@ def _make_config(query, *, scale, is_causal, block_sizes) -> AttentionConfig:
   if scale is None:
     scale = 1.0 / math.sqrt(H)
   else:
-    try:
-      scale = float(scale)
-    except TypeError:
-      raise ValueError(f"scale must be a Python number or None, got {scale!r}") from None
+    if isinstance(scale, (bool, str)) or not isinstance(scale, (int, float, np.number)):
+      raise ValueError(f"scale must be a Python number or None, got {scale!r}")
+    scale = float(scale)
     if not math.isfinite(scale):
       raise ValueError(f"scale must be finite, got {scale=}")
   if not isinstance(is_causal, (bool, np.bool_)):

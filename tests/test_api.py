@@ -1,0 +1,114 @@
+"""Input checks and implementation dispatch of jflash.attention."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import api
+
+
+def qkv(B=1, T=8, S=8, N=2, K=2, H=16, dtype=jnp.float32):
+  r = np.random.default_rng(0)
+  return (jnp.asarray(r.standard_normal((B, T, N, H)), dtype),
+          jnp.asarray(r.standard_normal((B, S, K, H)), dtype),
+          jnp.asarray(r.standard_normal((B, S, K, H)), dtype))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v: (q[0], k, v), r"query must have rank 4.*\(8, 2, 16\)"),
+    (lambda q, k, v: (q, k[..., None], v), r"key must have rank 4"),
+    (lambda q, k, v: (q, k, v[:, :5]), r"key and value must have the same shape.*\(1, 5, 2, 16\)"),
+    (lambda q, k, v: (jnp.concatenate([q, q]), k, v), r"batch mismatch: query has 2, key/value have 1"),
+    (lambda q, k, v: (q[..., :8], k, v), r"head_dim mismatch: query has 8, key/value have 16"),
+    (lambda q, k, v: (jnp.concatenate([q, q[:, :, :1]], 2), k, v),
+     r"query heads N=3 must be a multiple of key/value heads K=2"),
+    (lambda q, k, v: (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
+     r"query.dtype=int32 is not supported"),
+    (lambda q, k, v: (q, k.astype(jnp.bfloat16), v), r"share one dtype.*key.dtype=bfloat16"),
+    (lambda q, k, v: (q, k[:, :0], v[:, :0]), r"key seq length must be >= 1, got 0"),
+    (lambda q, k, v: (np.zeros((1, 2, 3)), k, v), r"query must have rank 4"),
+    (lambda q, k, v: ([1.0], k, v), r"query must be an array, got list"),
+])
+def test_bad_input_raises_value_error(bad, match):
+  with pytest.raises(ValueError, match=match):
+    jflash.attention(*bad(*qkv()))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"implementation": "flash3"}, r"implementation='flash3' is unknown"),
+    ({"implementation": ("xla_chunked", "nope")}, r"implementation='nope' is unknown"),
+    ({"implementation": 3}, r"implementation must be None, a name or a sequence"),
+    ({"scale": float("nan")}, r"scale must be finite, got scale=nan"),
+    ({"scale": "big"}, r"scale must be a Python number"),
+    ({"is_causal": 1}, r"is_causal must be a bool, got 1"),
+    ({"block_sizes": (64, 64)}, r"block_sizes must be a jflash.BlockSizes"),
+])
+def test_bad_options_raise_value_error(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jflash.attention(*qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_q": 48}, r"block_q=48 must be a power of two >= 16"),
+    ({"block_k_dq": 8}, r"block_k_dq=8 must be a power of two >= 16"),
+    ({"num_warps": 0}, r"num_warps=0 must be a positive int"),
+])
+def test_bad_block_sizes(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jflash.BlockSizes(**kwargs)
+
+
+def test_default_implementation_on_cpu():
+  assert jax.default_backend() == "cpu"
+  assert jflash.default_implementation() == ("xla_chunked",)
+  assert set(jflash.available_implementations()) >= {"pallas", "xla_chunked", "xla", "hip"}
+
+
+def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
+  def refuse(q, k, v, cfg):
+    raise NotImplementedError("refuses everything")
+
+  api.register_implementation("refuser", lambda: api.Implementation(
+      "refuser", direct=lambda *a: None, supports=refuse))
+  api.get_implementation.cache_clear()
+  try:
+    q, k, v = qkv()
+    out = jflash.attention(q, k, v, implementation=("refuser", "xla"))
+    np.testing.assert_allclose(out, jflash.attention(q, k, v, implementation="xla"))
+    with pytest.raises(NotImplementedError, match="refuser: refuses everything"):
+      jflash.attention(q, k, v, implementation="refuser")
+  finally:
+    api._REGISTRY.pop("refuser")
+    api.get_implementation.cache_clear()
+
+
+def test_scale_default_and_explicit():
+  q, k, v = qkv()
+  a = jflash.attention(q, k, v, implementation="xla_chunked")
+  b = jflash.attention(q, k, v, implementation="xla_chunked", scale=1 / 4.0)
+  c = jflash.attention(q, k, v, implementation="xla_chunked", scale=0.5)
+  np.testing.assert_array_equal(a, b)
+  ref, _ = jflash.attention_numpy(q, k, v, scale=0.5)
+  np.testing.assert_allclose(c, ref, atol=1e-6)
+
+
+def test_residuals_are_exactly_q_k_v_out_lse():
+  # The custom_vjp keeps only (q, k, v, out, lse): nothing of size T x S.
+  q, k, v = qkv(T=64, S=64)
+  f = lambda q, k, v: jflash.attention(q, k, v, implementation="xla_chunked")
+  _, vjp = jax.vjp(f, q, k, v)
+  res = [x for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "shape")]
+  shapes = sorted(tuple(x.shape) for x in res)
+  assert shapes == sorted([q.shape, k.shape, v.shape, q.shape, (1, 2, 64)]), shapes
+
+
+def test_pallas_rejects_head_dim_above_256():
+  q, k, v = qkv(H=300)
+  with pytest.raises(NotImplementedError, match="head_dim <= 256, got 300"):
+    jflash.attention(q, k, v, implementation="pallas")
+
+
+def test_hip_on_cpu_is_not_implemented():
+  with pytest.raises(NotImplementedError):
+    jflash.attention(*qkv(dtype=jnp.float16), implementation="hip")
