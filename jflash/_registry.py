@@ -7,8 +7,9 @@ from jflash.api import Implementation, register_implementation
 def _xla():
   from jflash import reference
 
-  def direct(q, k, v, cfg):
-    return reference.attention_xla(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal)
+  def direct(q, k, v, cfg, extras=None):
+    return reference.attention_xla(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal,
+                                   cfg=cfg, extras=extras)
   return Implementation("xla", direct=direct)
 
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash.masks import MaskArrays, seed_from_key
+from pallas_kernels.masking import MaskOptions
 from pallas_kernels.tuning import BlockSizes
 
 Array = jax.Array
@@ -38,6 +40,14 @@ class AttentionConfig:
   scale: float
   is_causal: bool
   block_sizes: BlockSizes | None = None
+  window: tuple[int, int] | None = None      # (left, right), jax.nn semantics
+  soft_cap: float | None = None
+  dropout_rate: float = 0.0
+
+  @property
+  def mask_options(self) -> MaskOptions:
+    return MaskOptions(is_causal=self.is_causal, window=self.window,
+                       soft_cap=self.soft_cap, dropout_rate=self.dropout_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +57,16 @@ class Implementation:
   `forward`/`backward` for flash-type implementations (bound by the shared
   custom_vjp); `direct` for one differentiated by plain autodiff. `supports`
   raises `NotImplementedError` naming what is missing for a given call.
+
+  Masked calls pass `extras=MaskArrays(...)` as a keyword to all three; `backward`
+  then returns `(dq, dk, dv, dbias)` when `extras.bias` is set, else `(dq, dk, dv)`.
   """
 
   name: str
   forward: Callable[..., tuple[Array, Array]] | None = None
   backward: Callable[..., tuple[Array, Array, Array]] | None = None
   direct: Callable[..., tuple[Array, Array]] | None = None
-  supports: Callable[..., None] = lambda q, k, v, cfg: None
+  supports: Callable[..., None] = lambda q, k, v, cfg, extras=None: None
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -121,7 +134,33 @@ def _check_inputs(query, key, value):
         f"query heads N={N} must be a multiple of key/value heads K={K} (GQA/MQA)")
 
 
-def _make_config(query, *, scale, is_causal, block_sizes) -> AttentionConfig:
+def _is_concrete(x):
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_int_array(name, x, shape):
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got {getattr(x, 'dtype', type(x))}")
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name} must have shape {shape}, got {name}.shape={tuple(x.shape)}")
+
+
+def _check_dense(name, x, B, N, T, S, kind):
+  if not hasattr(x, "shape") or x.ndim != 4:
+    raise ValueError(f"{name} must be a rank-4 [B|1, N|1, T, S] array, got "
+                     f"{getattr(x, 'shape', type(x))}")
+  b, n, t, s = x.shape
+  if b not in (1, B) or n not in (1, N) or (t, s) != (T, S):
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B|1, N|1, T, S] = "
+                     f"[{B}|1, {N}|1, {T}, {S}]")
+  if kind == "mask" and x.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True = attend), got mask.dtype={x.dtype}")
+  if kind == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"bias must be a float array, got bias.dtype={x.dtype}")
+
+
+def _make_config(query, key, *, scale, is_causal, block_sizes, local_window_size=None,
+                 logits_soft_cap=None, dropout_rate=0.0) -> AttentionConfig:
   H = query.shape[-1]
   if scale is None:
     scale = 1.0 / math.sqrt(H)
@@ -135,10 +174,81 @@ def _make_config(query, *, scale, is_causal, block_sizes) -> AttentionConfig:
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a jflash.BlockSizes, got {block_sizes!r}")
-  return AttentionConfig(scale=scale, is_causal=bool(is_causal), block_sizes=block_sizes)
+  window = None
+  if local_window_size is not None:
+    w = local_window_size
+    if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+      w = (int(w), int(w))
+    if (not isinstance(w, (tuple, list)) or len(w) != 2 or
+        not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+                for x in w)):
+      raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of "
+                       f"ints >= 0, got {local_window_size!r}")
+    window = (int(w[0]), int(w[1]))
+  soft_cap = None
+  if logits_soft_cap is not None:
+    if (isinstance(logits_soft_cap, bool) or
+        not isinstance(logits_soft_cap, (int, float, np.number)) or
+        not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0)):
+      raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap!r}")
+    soft_cap = float(logits_soft_cap)
+  if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
+      or not 0.0 <= dropout_rate < 1.0):
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {dropout_rate!r}")
+  return AttentionConfig(scale=scale, is_causal=bool(is_causal), block_sizes=block_sizes,
+                         window=window, soft_cap=soft_cap, dropout_rate=float(dropout_rate))
 
 
-def _resolve(implementation, q, k, v, cfg) -> Implementation:
+def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                 segment_ids, dropout_rate, dropout_rng) -> MaskArrays | None:
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  if bias is not None:
+    _check_dense("bias", bias, B, N, T, S, "bias")
+  if mask is not None:
+    _check_dense("mask", mask, B, N, T, S, "mask")
+    mask = jnp.asarray(mask)
+  q_lens = kv_lens = None
+  for name, x, n in (("query_seq_lengths", query_seq_lengths, T),
+                     ("key_value_seq_lengths", key_value_seq_lengths, S)):
+    if x is None:
+      continue
+    _check_int_array(name, x, (B,))
+    if _is_concrete(x):
+      bad = np.asarray(x)
+      if bad.min() < 0 or bad.max() > n:
+        raise ValueError(f"{name} must lie in [0, {n}], got {bad.tolist()}")
+    if name.startswith("query"):
+      q_lens = jnp.asarray(x, jnp.int32)
+    else:
+      kv_lens = jnp.asarray(x, jnp.int32)
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError("segment_ids must be an array [B, T] (when T == S) or a pair "
+                         f"(q_ids [B, T], kv_ids [B, S]), got a sequence of {len(segment_ids)}")
+      q_seg, kv_seg = segment_ids
+    else:
+      if T != S:
+        raise ValueError(f"a single segment_ids array needs T == S (got T={T}, S={S}); "
+                         "pass (q_segment_ids, kv_segment_ids)")
+      q_seg = kv_seg = segment_ids
+    _check_int_array("q segment_ids", q_seg, (B, T))
+    _check_int_array("kv segment_ids", kv_seg, (B, S))
+    q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+  seed = None
+  if dropout_rate > 0:
+    if dropout_rng is None:
+      raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng key")
+    seed = seed_from_key(dropout_rng)
+  extras = MaskArrays(bias=bias, mask=mask, q_lengths=q_lens, kv_lengths=kv_lens,
+                      q_segment_ids=q_seg, kv_segment_ids=kv_seg, dropout_seed=seed)
+  return None if all(x is None for x in jax.tree_util.tree_leaves(
+      extras, is_leaf=lambda x: x is None)) else extras
+
+
+def _resolve(implementation, q, k, v, cfg, extras) -> Implementation:
   if implementation is None:
     names = default_implementation()
   elif isinstance(implementation, str):
@@ -153,7 +263,7 @@ def _resolve(implementation, q, k, v, cfg) -> Implementation:
   reasons = []
   for impl in impls:
     try:
-      impl.supports(q, k, v, cfg)
+      impl.supports(q, k, v, cfg, extras=extras)
       return impl
     except NotImplementedError as e:  # the only exception that moves on to the next one
       reasons.append(f"{impl.name}: {e}")
@@ -162,22 +272,30 @@ def _resolve(implementation, q, k, v, cfg) -> Implementation:
 
 # -- the custom_vjp ---------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, impl: Implementation, cfg: AttentionConfig):
-  return impl.forward(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, extras, impl: Implementation, cfg: AttentionConfig):
+  return impl.forward(q, k, v, cfg, extras=extras)
 
 
-def _flash_fwd(q, k, v, impl, cfg):
-  out, lse = impl.forward(q, k, v, cfg)
-  return (out, lse), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, extras, impl, cfg):
+  out, lse = impl.forward(q, k, v, cfg, extras=extras)
+  return (out, lse), (q, k, v, extras, out, lse)
 
 
 def _flash_bwd(impl, cfg, res, cotangents):
-  q, k, v, out, lse = res
+  q, k, v, extras, out, lse = res
   dout, dlse = cotangents
   # d lse_i / d s_ij = P_ij, so a cotangent on lse folds into delta:
   # dS = P * (dP - (rowsum(dO * O) - dlse)). Without return_residuals dlse is zero.
-  return impl.backward(q, k, v, out, lse, dout, dlse, cfg)
+  grads = impl.backward(q, k, v, out, lse, dout, dlse, cfg, extras=extras)
+  dextras = None
+  if extras is not None:
+    # Only the bias has a gradient; masks, lengths, ids and the seed are not
+    # differentiable (None stands for their zero cotangent).
+    dextras = dataclasses.replace(
+        jax.tree_util.tree_map(lambda _: None, extras),
+        bias=grads[3] if extras.bias is not None else None)
+  return (*grads[:3], dextras)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -208,37 +326,71 @@ def attention(
     query: Array,
     key: Array,
     value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     return_residuals: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Exact scaled dot-product attention in linear memory.
 
+  Shapes: B batch, T query length, S key/value length, N query heads, K key/value
+  heads (N a multiple of K: GQA/MQA when K < N), H head dim.
+
   Args:
     query: `[B, T, N, H]`.
-    key: `[B, S, K, H]`, N a multiple of K (GQA/MQA when K < N).
+    key: `[B, S, K, H]`.
     value: `[B, S, K, H]`.
+    bias: optional `[B|1, N|1, T, S]` float added to the scaled logits (after the
+      soft cap), differentiable.
+    mask: optional `[B|1, N|1, T, S]` bool, True = attend (as Flax and jax.nn pass it).
     scale: logits scale; None means `1/sqrt(H)`.
     is_causal: query i sees keys j <= i (as `jax.nn.dot_product_attention`; the
       mask is aligned at the top-left also when T != S).
+    query_seq_lengths, key_value_seq_lengths: `[B]` int, right padding: rows
+      i >= length return zeros, keys j >= length are hidden (jax.nn semantics).
+      Checked against [0, T] / [0, S] when not traced.
+    local_window_size: int w (means (w, w)) or (left, right): query i sees keys
+      i - left <= j <= i + right (jax.nn semantics).
+    segment_ids: `[B, T]` int (when T == S) or a pair (`[B, T]`, `[B, S]`): packed
+      documents, a query sees only keys with the same id.
+    logits_soft_cap: cap c: logits -> c * tanh(logits / c) before the bias and the softmax.
+    dropout_rate: attention dropout probability in [0, 1); needs `dropout_rng`. The
+      keep mask is a counter-based hash of (seed, batch, head, row, col), regenerated
+      in the backward pass, never stored.
+    dropout_rng: a PRNG key.
     implementation: "pallas", "xla_chunked", "xla", "hip", a sequence of these
       (the next is tried only when one raises `NotImplementedError`), or None for
       the best on the default backend (GPU: pallas; CPU: xla_chunked).
     block_sizes: tile sizes for the pallas kernels; None picks per-head_dim defaults.
     return_residuals: also return `lse` `[B, N, T]` (natural log, float32; float64
-      for float64 inputs).
+      for float64 inputs; -inf for a row that sees no key).
 
   Returns:
-    `[B, T, N, H]` in the input dtype, or `(out, lse)`.
+    `[B, T, N, H]` in the input dtype, or `(out, lse)`. A query row that sees no key
+    returns zeros (and finite gradients), never NaN.
   """
   _check_inputs(query, key, value)
-  cfg = _make_config(query, scale=scale, is_causal=is_causal, block_sizes=block_sizes)
-  impl = _resolve(implementation, query, key, value, cfg)
+  cfg = _make_config(query, key, scale=scale, is_causal=is_causal, block_sizes=block_sizes,
+                     local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                     dropout_rate=dropout_rate)
+  extras = _make_extras(query, key, bias=bias, mask=mask,
+                        query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                        dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
+  impl = _resolve(implementation, query, key, value, cfg, extras)
   if impl.direct is not None:
-    out, lse = impl.direct(query, key, value, cfg)
+    out, lse = impl.direct(query, key, value, cfg, extras=extras)
   else:
-    out, lse = _flash(query, key, value, impl, cfg)
+    out, lse = _flash(query, key, value, extras, impl, cfg)
   return (out, lse) if return_residuals else out

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jflash.masks import masked_logits
 from jflash.reference import stat_dtype
 
 # Keys per scan step. Large enough that each step is a real matmul on a CPU, small
@@ -31,17 +32,7 @@ def _block_k(cfg, S):
   return max(1, min(bk, S))
 
 
-def _scores(qg, kj, j0, cfg, T, S, acc):
-  """Scaled logits of one key block, [B, K, G, T, bk], with padding/causal masked."""
-  s = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
-  cols = j0 + jnp.arange(kj.shape[1])
-  valid = (cols < S)[None, :]
-  if cfg.is_causal:
-    valid = valid & (jnp.arange(T)[:, None] >= cols[None, :])
-  return jnp.where(valid, s, -jnp.inf)
-
-
-def forward(q, k, v, cfg):
+def forward(q, k, v, cfg, extras=None):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -52,14 +43,17 @@ def forward(q, k, v, cfg):
   def step(carry, xs):
     m_i, l_i, o = carry
     kj, vj, j0 = xs
-    s = _scores(qg, kj, j0, cfg, T, S, acc)
+    raw = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
+    s, _, drop = masked_logits(raw, j0 + jnp.arange(bk), cfg, extras, K=K, G=G, S=S)
     # -- update m_i and l_i; a row with nothing visible yet keeps m = -inf, so use a
     # finite stand-in to keep exp() free of (-inf) - (-inf).
     m_new = jnp.maximum(m_i, s.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
     alpha = jnp.exp(m_i - m_safe)
     p = jnp.exp(s - m_safe[..., None])
-    l_i = alpha * l_i + p.sum(-1)
+    l_i = alpha * l_i + p.sum(-1)  # the normaliser counts every visible key...
+    if drop is not None:
+      p = p * drop                 # ...but only kept ones reach the output
     o = alpha[..., None] * o + jnp.einsum(
         "bkgts,bskh->bkgth", p.astype(q.dtype), vj, preferred_element_type=acc)
     return (m_new, l_i, o), None
@@ -76,7 +70,7 @@ def forward(q, k, v, cfg):
   return out, lse.reshape(B, N, T)
 
 
-def backward(q, k, v, out, lse, dout, dlse, cfg):
+def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -89,21 +83,46 @@ def backward(q, k, v, out, lse, dout, dlse, cfg):
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc))
   delta = (delta - dlse.astype(acc)).reshape(B, K, G, T)
   lse = lse.reshape(B, K, G, T)
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # a row with no key: P = 0
+  bias = None if extras is None else extras.bias
 
   def step(dq, xs):
     kj, vj, j0 = xs
-    s = _scores(qg, kj, j0, cfg, T, S, acc)
-    p = jnp.exp(s - lse_safe[..., None])  # recomputed P; masked entries are exp(-inf) = 0
-    dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(q.dtype), dog, preferred_element_type=acc)
+    raw = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
+    s, t, drop = masked_logits(raw, j0 + jnp.arange(bk), cfg, extras, K=K, G=G, S=S)
+    p = jnp.exp(s - lse_safe[..., None])  # recomputed P; hidden entries are exp(-inf) = 0
+    pd = p if drop is None else p * drop
+    dv = jnp.einsum("bkgts,btkgh->bskh", pd.astype(q.dtype), dog, preferred_element_type=acc)
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, vj, preferred_element_type=acc)
-    ds = (p * (dp - delta[..., None]) * cfg.scale).astype(q.dtype)
+    if drop is not None:
+      dp = dp * drop
+    ds = p * (dp - delta[..., None])
+    dbias = None
+    if bias is not None:  # the bias enters after the soft cap: its gradient is dS
+      dbias = _reduce_to_bias(ds, bias.shape[:2], K, G).astype(bias.dtype)
+    if t is not None:
+      ds = ds * (1 - t * t)  # d(cap * tanh(x / cap)) / dx
+    ds = (ds * cfg.scale).astype(q.dtype)
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kj, preferred_element_type=acc)
     dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg, preferred_element_type=acc)
-    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+    return dq, (dk.astype(k.dtype), dv.astype(v.dtype), dbias)
 
   starts = jnp.arange(0, _blocks(k, bk).shape[0]) * bk
-  dq, (dk, dv) = lax.scan(step, jnp.zeros((B, T, K, G, H), acc),
-                          (_blocks(k, bk), _blocks(v, bk), starts))
+  dq, (dk, dv, dbias) = lax.scan(step, jnp.zeros((B, T, K, G, H), acc),
+                                 (_blocks(k, bk), _blocks(v, bk), starts))
   unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(B, -1, K, H)[:, :S]
-  return dq.reshape(B, T, N, H).astype(q.dtype), unblock(dk), unblock(dv)
+  grads = (dq.reshape(B, T, N, H).astype(q.dtype), unblock(dk), unblock(dv))
+  if bias is None:
+    return grads
+  # [nblk, Bb, Nb, T, bk] -> [Bb, Nb, T, S]
+  nb = dbias.shape[0]
+  dbias = dbias.transpose(1, 2, 3, 0, 4).reshape(*dbias.shape[1:4], nb * bk)[..., :S]
+  return (*grads, dbias)
+
+
+def _reduce_to_bias(ds, bias_bn, K, G):
+  """[B, K, G, T, c] -> [B|1, N|1, T, c], summing the axes the bias broadcasts over."""
+  B, _, _, T, c = ds.shape
+  ds = ds.reshape(B, K * G, T, c)
+  axes = tuple(i for i in (0, 1) if bias_bn[i] == 1)
+  return ds.sum(axis=axes, keepdims=True) if axes else ds

@@ -22,26 +22,31 @@ def causal_mask(T: int, S: int) -> np.ndarray:
 
 # -- "xla": standard attention, materialises the [B, N, T, S] scores -------------
 
-def attention_xla(q, k, v, *, scale: float, is_causal: bool):
+def attention_xla(q, k, v, *, scale: float, is_causal: bool, cfg=None, extras=None):
   """Standard attention in plain XLA ops; returns (out, lse).
 
   Scores are computed in the statistics dtype (float32 for half inputs): this is the
   usual "upcast the logits" implementation, and its memory is O(T x S) per head.
+  `cfg`/`extras` (a jflash AttentionConfig and MaskArrays) add the mask options.
   """
+  from jflash.masks import masked_logits
+  if cfg is None:
+    from jflash.api import AttentionConfig
+    cfg = AttentionConfig(scale=scale, is_causal=is_causal)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
+  G = N // K
   acc = stat_dtype(q.dtype)
-  qg = q.reshape(B, T, K, N // K, H)
-  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * scale
-  if is_causal:
-    s = jnp.where(jnp.asarray(causal_mask(T, S)), s, -jnp.inf)
+  qg = q.reshape(B, T, K, G, H)
+  raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * cfg.scale
+  s, _, drop = masked_logits(raw, jnp.arange(S), cfg, extras, K=K, G=G, S=S)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0)  # fully masked row: exp(-inf - 0) = 0, no NaN
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
   inv = jnp.where(l > 0, 1 / jnp.where(l > 0, l, 1), 0)
-  out = jnp.einsum("bkgts,bskh->btkgh", (p * inv).astype(q.dtype), v,
-                   preferred_element_type=acc)
+  p = p * inv if drop is None else p * inv * drop
+  out = jnp.einsum("bkgts,bskh->btkgh", p.astype(q.dtype), v, preferred_element_type=acc)
   lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1)), -jnp.inf)[..., 0]
   return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, N, T)
 
@@ -49,22 +54,42 @@ def attention_xla(q, k, v, *, scale: float, is_causal: bool):
 # -- float64 NumPy truth -------------------------------------------------------------
 
 def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,
-                    dout=None):
-  """float64 reference. Returns (out, lse), or (out, lse, dq, dk, dv) with `dout`.
+                    bias=None, mask=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                    segment_ids=None, local_window_size=None, logits_soft_cap=None,
+                    dropout_rate=0.0, dropout_seed=None, dout=None):
+  """float64 reference with every option of `jflash.attention`.
 
-  Gradients are the closed-form softmax backward:
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = s dS K, dK = s dS^T Q.
+  Returns (out, lse), or with `dout` (out, lse, dq, dk, dv) and dbias appended when a
+  bias is given. Gradients are the closed-form softmax backward:
+    dV = P~^T dO, dP~ = dO V^T, dP = dP~ * Z/(1-r), dS = P * (dP - rowsum(dO * O)),
+    dlogits = dS * (1 - tanh^2) with a soft cap, dQ = s dlogits K, dK = s dlogits^T Q,
+  where P~ = P * Z/(1-r) is P after dropout with keep mask Z.
   """
+  from jflash.masks import MaskArrays, dense_keep_numpy, dropout_keep_numpy
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
   scale = 1 / math.sqrt(H) if scale is None else scale
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+  keep = dense_keep_numpy(B, N, T, S, is_causal=is_causal, window=local_window_size,
+                          masks=MaskArrays(mask=mask, q_lengths=query_seq_lengths,
+                                           kv_lengths=key_value_seq_lengths,
+                                           q_segment_ids=q_seg, kv_segment_ids=kv_seg))
   kr = np.repeat(k, G, axis=2)  # query head n uses key head n // G
   vr = np.repeat(v, G, axis=2)
-  s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
-  if is_causal:
-    s = np.where(causal_mask(T, S), s, -np.inf)
+  raw = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  s = raw
+  if logits_soft_cap:
+    t = np.tanh(raw / logits_soft_cap)
+    s = logits_soft_cap * t
+  if bias is not None:
+    s = s + np.asarray(bias, np.float64)
+  s = np.where(keep, s, -np.inf)
   m = s.max(-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0)
   p = np.exp(s - m)
@@ -72,19 +97,27 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   with np.errstate(divide="ignore", invalid="ignore"):
     p = np.where(l > 0, p / l, 0)
     lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
-  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  zr = np.ones_like(p)
+  if dropout_rate > 0:
+    zr = dropout_keep_numpy(dropout_seed, B, N, T, S, dropout_rate) / (1 - dropout_rate)
+  out = np.einsum("bnts,bsnh->btnh", p * zr, vr)
   if dout is None:
     return out, lse
   do = np.asarray(dout, np.float64)
-  dvr = np.einsum("bnts,btnh->bsnh", p, do)
-  dp = np.einsum("btnh,bsnh->bnts", do, vr)
+  dvr = np.einsum("bnts,btnh->bsnh", p * zr, do)
+  dp = np.einsum("btnh,bsnh->bnts", do, vr) * zr
   delta = np.einsum("btnh,btnh->bnt", do, out)[..., None]
   ds = p * (dp - delta)
-  dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
-  dkr = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+  dlogits = ds * (1 - t ** 2) if logits_soft_cap else ds
+  dq = np.einsum("bnts,bsnh->btnh", dlogits, kr) * scale
+  dkr = np.einsum("bnts,btnh->bsnh", dlogits, q) * scale
   dk = dkr.reshape(B, S, K, G, H).sum(3)
   dv = dvr.reshape(B, S, K, G, H).sum(3)
-  return out, lse, dq, dk, dv
+  if bias is None:
+    return out, lse, dq, dk, dv
+  bshape = np.shape(bias)
+  dbias = ds.sum(axis=tuple(i for i in (0, 1) if bshape[i] == 1), keepdims=True)
+  return out, lse, dq, dk, dv, dbias
 
 
 def attention_tiled_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,

@@ -1,0 +1,190 @@
+"""Masks as compact data, and their per-tile schedule.
+
+Structured masks (causal, sliding window, sequence lengths, segment ids) never become
+a [T, S] array on the kernel paths. Before a kernel runs they are summarised per tile
+(from O(T/bq + S/bk) block summaries) as skip / full / boundary, then turned into,
+for every (batch, query block), the range of key blocks to visit and the contiguous
+run of them that needs no element-wise mask; the dK/dV kernel gets the transposed
+ranges (per key block, which query blocks). Dense `mask`/`bias` are the caller's own
+[B|1, N|1, T, S] inputs and are read tile by tile.
+
+Dropout uses a counter-based hash of (seed, batch, head, row, col), so the backward
+pass regenerates the forward's keep mask instead of storing it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+from pallas_kernels.masking import (  # noqa: F401  (re-exported)
+    BOUNDARY, FULL, SKIP, dropout_keep, dropout_keep_numpy, dropout_row_key,
+    ranges_from_classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskArrays:
+  """The per-call arrays of a masked attention (any field may be None)."""
+
+  bias: Array | None = None                 # [B|1, N|1, T, S] float, added to logits
+  mask: Array | None = None                 # [B|1, N|1, T, S] bool, True = attend
+  q_lengths: Array | None = None            # [B] int32
+  kv_lengths: Array | None = None           # [B] int32
+  q_segment_ids: Array | None = None        # [B, T] int32
+  kv_segment_ids: Array | None = None       # [B, S] int32
+  dropout_seed: Array | None = None         # [] uint32
+
+  @property
+  def structured(self) -> bool:
+    """Lengths or segment ids: tile ranges depend on the data."""
+    return any(x is not None for x in (self.q_lengths, self.kv_lengths, self.q_segment_ids))
+
+
+jax.tree_util.register_dataclass(
+    MaskArrays,
+    data_fields=[f.name for f in dataclasses.fields(MaskArrays)],
+    meta_fields=[])
+
+
+def dense_keep_numpy(B, N, T, S, *, is_causal=False, window=None, masks: MaskArrays = None,
+                     dropout_rate=0.0):
+  """The whole [B, N, T, S] visibility (and dropout keep) for references and tests."""
+  masks = masks or MaskArrays()
+  rows = np.arange(T)[None, None, :, None]
+  cols = np.arange(S)[None, None, None, :]
+  keep = np.ones((B, N, T, S), bool)
+  if is_causal:
+    keep &= rows >= cols
+  if window is not None:
+    keep &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+  if masks.q_lengths is not None:
+    keep &= rows < np.asarray(masks.q_lengths)[:, None, None, None]
+  if masks.kv_lengths is not None:
+    keep &= cols < np.asarray(masks.kv_lengths)[:, None, None, None]
+  if masks.q_segment_ids is not None:
+    keep &= (np.asarray(masks.q_segment_ids)[:, None, :, None]
+             == np.asarray(masks.kv_segment_ids)[:, None, None, :])
+  if masks.mask is not None:
+    keep &= np.asarray(masks.mask, bool)
+  return keep
+
+
+def seed_from_key(rng) -> Array:
+  """A uint32 seed from a PRNG key (typed or raw uint32[2])."""
+  return jax.random.bits(rng, (), jnp.uint32)
+
+
+# -- per-tile schedule -------------------------------------------------------------------
+
+def _block_summary(x, block, n_blocks):
+  """min and max of each block of the last axis (the clipped block padded by its edge)."""
+  pad = n_blocks * block - x.shape[-1]
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], mode="edge")
+  x = x.reshape(*x.shape[:-1], n_blocks, block)
+  return x.min(-1), x.max(-1)
+
+
+def tile_classes(*, B, T, S, block_q, block_k, is_causal, window, masks: MaskArrays):
+  """[B, nq, nk] int8: SKIP (nothing visible), FULL (everything visible), BOUNDARY.
+
+  Computed from per-block bounds only; padded rows/cols past T/S count as hidden.
+  """
+  nq, nk = -(-T // block_q), -(-S // block_k)
+  r0 = (jnp.arange(nq) * block_q)[None, :, None]
+  r1 = jnp.minimum(r0 + block_q, T) - 1
+  c0 = (jnp.arange(nk) * block_k)[None, None, :]
+  c1c = jnp.minimum(c0 + block_k, S) - 1           # last real column
+  c1 = c0 + block_k - 1                            # last column of the tile
+  any_ = jnp.ones((B, nq, nk), bool)
+  all_ = jnp.broadcast_to(c1 < S, (B, nq, nk))     # a clipped last tile needs a mask
+  if is_causal:
+    any_ = any_ & (c0 <= r1)
+    all_ = all_ & (c1 <= r0)
+  if window is not None:
+    left, right = window
+    any_ = any_ & (c1c >= r0 - left) & (c0 <= r1 + right)
+    all_ = all_ & (c0 >= r1 - left) & (c1 <= r0 + right)
+  if masks.q_lengths is not None:
+    # Rows past q_len are zeroed per row at the end, not masked per element.
+    any_ = any_ & (r0 < masks.q_lengths[:, None, None])
+  if masks.kv_lengths is not None:
+    kv = masks.kv_lengths[:, None, None]
+    any_ = any_ & (c0 < kv)
+    all_ = all_ & (c1 < kv)
+  if masks.q_segment_ids is not None:
+    qmin, qmax = _block_summary(masks.q_segment_ids, block_q, nq)
+    kmin, kmax = _block_summary(masks.kv_segment_ids, block_k, nk)
+    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+    any_ = any_ & (qmin <= kmax) & (kmin <= qmax)
+    all_ = all_ & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+  all_ = all_ & any_
+  return jnp.where(all_, FULL, jnp.where(any_, BOUNDARY, SKIP)).astype(jnp.int8)
+
+
+def visited_tiles(classes) -> Array:
+  """How many tiles a kernel following these classes loads (for tests and reports)."""
+  r = ranges_from_classes(classes)
+  return jnp.sum(r[..., 3] - r[..., 0])
+
+
+# -- the same rules on [B, K, G, T, c] logits in plain JAX ("xla" and "xla_chunked") -----
+
+def _heads(x, K, G):
+  """[B|1, N|1, T, c] -> [B|1, K|1, G|1, T, c] to line up with grouped logits."""
+  b, n, t, c = x.shape
+  return x.reshape(b, 1, 1, t, c) if n == 1 else x.reshape(b, K, G, t, c)
+
+
+def masked_logits(raw, cols, cfg, extras: MaskArrays | None, *, K, G, S):
+  """Scaled logits `raw` [B, K, G, T, c] of key columns `cols` [c] -> (logits with -inf
+  where hidden, tanh of the soft cap or None, dropout multiplier or None).
+
+  Applies soft cap, bias, causal/window/length/segment/dense masks and the dropout keep
+  mask exactly as the kernels do. `cols` may run past S (padding): those are hidden.
+  """
+  extras = extras or MaskArrays()
+  B, _, _, T, c = raw.shape
+  rows = jnp.arange(T)[:, None]
+  colsb = cols[None, :]
+  t = None
+  s = raw
+  if cfg.soft_cap is not None:
+    t = jnp.tanh(raw / cfg.soft_cap)
+    s = cfg.soft_cap * t
+  keep = jnp.broadcast_to((cols < S)[None, :], (T, c))
+  if cfg.is_causal:
+    keep = keep & (rows >= colsb)
+  if cfg.window is not None:
+    left, right = cfg.window
+    keep = keep & (colsb >= rows - left) & (colsb <= rows + right)
+  keep = keep[None, None, None]
+  safe = jnp.clip(cols, 0, None)
+  if extras.bias is not None:
+    bias = jnp.take(extras.bias, jnp.minimum(safe, extras.bias.shape[-1] - 1), axis=-1)
+    s = s + _heads(bias, K, G).astype(s.dtype)
+  if extras.q_lengths is not None:
+    keep = keep & (rows < extras.q_lengths[:, None, None, None, None])
+  if extras.kv_lengths is not None:
+    keep = keep & (colsb < extras.kv_lengths[:, None, None, None, None])
+  if extras.q_segment_ids is not None:
+    kv = jnp.take(extras.kv_segment_ids, jnp.minimum(safe, extras.kv_segment_ids.shape[-1] - 1),
+                  axis=-1)
+    keep = keep & (extras.q_segment_ids[:, None, None, :, None] == kv[:, None, None, None, :])
+  if extras.mask is not None:
+    m = jnp.take(extras.mask, jnp.minimum(safe, extras.mask.shape[-1] - 1), axis=-1)
+    keep = keep & _heads(m, K, G)
+  s = jnp.where(keep, s, -jnp.inf)
+  drop = None
+  if cfg.dropout_rate > 0:
+    b = jnp.arange(B)[:, None, None, None, None]
+    n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :])[None, :, :, None, None]
+    key = dropout_row_key(extras.dropout_seed, b, n, rows[None, None, None], K * G)
+    z = dropout_keep(key, colsb[None, None, None], cfg.dropout_rate)
+    drop = z.astype(raw.dtype) / (1 - cfg.dropout_rate)
+  return s, t, drop

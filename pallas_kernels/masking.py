@@ -1,0 +1,149 @@
+"""What the kernels need to mask a tile: static options, optional operands, the
+element-wise rules, the dropout hash and the per-tile visiting ranges.
+
+The caller (jflash) decides *which* tiles exist (a [B, nq, nk] class table from
+block summaries, see `ranges_from_classes`); the kernels only follow the ranges and
+apply element-wise rules inside boundary tiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+SKIP, BOUNDARY, FULL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskOptions:
+  """Static options (hashable, part of the compiled kernel)."""
+
+  is_causal: bool = False
+  window: tuple[int, int] | None = None     # (left, right): i - left <= j <= i + right
+  soft_cap: float | None = None             # logits -> cap * tanh(logits / cap)
+  dropout_rate: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskOperands:
+  """Optional arrays; `schedule(block_q, block_k)` returns [B, nq, nk] tile classes."""
+
+  schedule: object = None                   # callable or None (static causal/length rules)
+  q_lengths: jax.Array | None = None        # [B] int32
+  kv_lengths: jax.Array | None = None       # [B] int32
+  q_segment_ids: jax.Array | None = None    # [B, T] int32
+  kv_segment_ids: jax.Array | None = None   # [B, S] int32
+  mask: jax.Array | None = None             # [B|1, N|1, T, S] bool
+  bias: jax.Array | None = None             # [B|1, N|1, T, S] float
+  dropout_seed: jax.Array | None = None     # [] uint32
+
+
+# -- dropout: lowbias32 integer hash (C. Wellons), counter-based -----------------------
+
+_M1, _M2 = 0x7FEB352D, 0x846CA68B
+_GOLDEN = 0x9E3779B9
+
+
+def _mix(x, xp):
+  u32 = xp.uint32
+  x = x ^ (x >> u32(16))
+  x = x * u32(_M1)
+  x = x ^ (x >> u32(15))
+  x = x * u32(_M2)
+  return x ^ (x >> u32(16))
+
+
+def dropout_row_key(seed, batch, head, rows, num_heads, xp=jnp):
+  """Hash state of (seed, batch, head, row); one more mix per element decides."""
+  u32 = xp.uint32
+  bh = xp.asarray(batch).astype(u32) * u32(num_heads) + xp.asarray(head).astype(u32)
+  h = _mix(xp.asarray(seed).astype(u32) ^ _mix(bh + u32(_GOLDEN), xp), xp)
+  return _mix(h ^ xp.asarray(rows).astype(u32), xp)
+
+
+def dropout_keep(row_key, cols, rate, xp=jnp):
+  """True where kept; P(keep) = 1 - rate to within 2^-31."""
+  u32 = xp.uint32
+  h = _mix(row_key ^ (xp.asarray(cols).astype(u32) * u32(_GOLDEN)), xp)
+  # Compare the top 31 bits as signed ints: no unsigned compare needed in a kernel.
+  return (h >> u32(1)).astype(xp.int32) >= xp.int32(int(rate * 2**31))
+
+
+def dropout_keep_numpy(seed, B, N, T, S, rate):
+  """The [B, N, T, S] keep mask the kernels generate (references and tests)."""
+  b = np.arange(B)[:, None, None, None]
+  n = np.arange(N)[None, :, None, None]
+  rows = np.arange(T)[None, None, :, None]
+  cols = np.arange(S)[None, None, None, :]
+  with np.errstate(over="ignore"):
+    key = dropout_row_key(np.uint32(seed), b, n, rows, N, xp=np)
+    return dropout_keep(key, cols, rate, xp=np)
+
+
+# -- element-wise rules -------------------------------------------------------------------
+
+def structured_keep(rows, cols, opts: MaskOptions, *, kv_len=None, q_seg=None, kv_seg=None):
+  """Visibility of (row, col) pairs under causal / window / length / segment rules."""
+  keep = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if opts.is_causal:
+    keep = both(keep, rows >= cols)
+  if opts.window is not None:
+    left, right = opts.window
+    keep = both(keep, (cols >= rows - left) & (cols <= rows + right))
+  if kv_len is not None:
+    keep = both(keep, cols < kv_len)
+  if q_seg is not None:
+    keep = both(keep, q_seg[:, None] == kv_seg[None, :])
+  return keep
+
+
+# -- ranges ---------------------------------------------------------------------------------
+
+def ranges_from_classes(classes):
+  """[..., n] tile classes -> [..., 4] int32 (lo, full_lo, full_hi, hi).
+
+  Visit [lo, hi); [full_lo, full_hi) is the first contiguous run of FULL tiles and runs
+  with no element-wise mask; every other visited tile is masked element-wise, which is
+  always correct (a FULL tile outside the run only costs a redundant mask).
+  """
+  n = classes.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  visible = classes != SKIP
+  full = classes == FULL
+  any_visible = visible.any(-1)
+  any_full = full.any(-1)
+  lo = jnp.where(any_visible, jnp.argmax(visible, -1), 0)
+  hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], -1), 0)
+  full_lo = jnp.where(any_full, jnp.argmax(full, -1), lo)
+  after = (idx >= full_lo[..., None]) & ~full       # first non-FULL tile after the run
+  full_hi = jnp.where(after.any(-1), jnp.argmax(after, -1), n)
+  full_hi = jnp.where(any_full, jnp.minimum(full_hi, hi), lo)
+  return jnp.stack([lo, full_lo, full_hi, hi], -1).astype(jnp.int32)
+
+
+def classes_static(T, S, block_q, block_k, is_causal):
+  """[nq, nk] classes of the static rules (causal and the clipped last key tile)."""
+  nq, nk = -(-T // block_q), -(-S // block_k)
+  r0 = np.arange(nq)[:, None] * block_q
+  r1 = np.minimum(r0 + block_q, T) - 1
+  c0 = np.arange(nk)[None, :] * block_k
+  c1 = c0 + block_k - 1
+  any_ = np.ones((nq, nk), bool)
+  all_ = np.broadcast_to(c1 < S, (nq, nk))
+  if is_causal:
+    any_ = any_ & (c0 <= r1)
+    all_ = all_ & (c1 <= r0)
+  return np.where(all_ & any_, FULL, np.where(any_, BOUNDARY, SKIP)).astype(np.int8)
+
+
+def tile_mask_iota(row0, col0, shape):
+  rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+  return rows, cols
