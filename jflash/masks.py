@@ -23,7 +23,7 @@ import numpy as np
 Array = jax.Array
 
 from pallas_kernels.masking import (  # noqa: F401  (re-exported)
-    BOUNDARY, FULL, SKIP, dropout_keep, dropout_keep_numpy, dropout_row_key,
+    BOUNDARY, FULL, SKIP, classes_static, dropout_keep, dropout_keep_numpy, dropout_row_key,
     ranges_from_classes)
 
 
@@ -89,26 +89,18 @@ def _block_summary(x, block, n_blocks):
   return x.min(-1), x.max(-1)
 
 
-def tile_classes(*, B, T, S, block_q, block_k, is_causal, window, masks: MaskArrays):
-  """[B, nq, nk] int8: SKIP (nothing visible), FULL (everything visible), BOUNDARY.
+def data_tile_classes(*, B, T, S, block_q, block_k, masks: MaskArrays):
+  """[B, nq, nk] int8 classes from the data-dependent rules (lengths, segment ids).
 
-  Computed from per-block bounds only; padded rows/cols past T/S count as hidden.
+  Computed from per-block bounds only (O(T/bq + S/bk) summaries); the kernels combine
+  them with the static rules (causal, window, clipped tile) by minimum.
   """
   nq, nk = -(-T // block_q), -(-S // block_k)
   r0 = (jnp.arange(nq) * block_q)[None, :, None]
-  r1 = jnp.minimum(r0 + block_q, T) - 1
   c0 = (jnp.arange(nk) * block_k)[None, None, :]
-  c1c = jnp.minimum(c0 + block_k, S) - 1           # last real column
-  c1 = c0 + block_k - 1                            # last column of the tile
+  c1 = c0 + block_k - 1
   any_ = jnp.ones((B, nq, nk), bool)
-  all_ = jnp.broadcast_to(c1 < S, (B, nq, nk))     # a clipped last tile needs a mask
-  if is_causal:
-    any_ = any_ & (c0 <= r1)
-    all_ = all_ & (c1 <= r0)
-  if window is not None:
-    left, right = window
-    any_ = any_ & (c1c >= r0 - left) & (c0 <= r1 + right)
-    all_ = all_ & (c0 >= r1 - left) & (c1 <= r0 + right)
+  all_ = jnp.ones((B, nq, nk), bool)
   if masks.q_lengths is not None:
     # Rows past q_len are zeroed per row at the end, not masked per element.
     any_ = any_ & (r0 < masks.q_lengths[:, None, None])
@@ -125,6 +117,15 @@ def tile_classes(*, B, T, S, block_q, block_k, is_causal, window, masks: MaskArr
     all_ = all_ & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
   all_ = all_ & any_
   return jnp.where(all_, FULL, jnp.where(any_, BOUNDARY, SKIP)).astype(jnp.int8)
+
+
+def tile_classes(*, B, T, S, block_q, block_k, opts, masks: MaskArrays | None = None):
+  """[B, nq, nk] classes under every structured rule: what the kernels visit."""
+  classes = jnp.asarray(classes_static(T, S, block_q, block_k, opts))[None]
+  if masks is not None and masks.structured:
+    classes = jnp.minimum(classes, data_tile_classes(B=B, T=T, S=S, block_q=block_q,
+                                                     block_k=block_k, masks=masks))
+  return jnp.broadcast_to(classes, (B, *classes.shape[1:]))
 
 
 def visited_tiles(classes) -> Array:

@@ -2,8 +2,10 @@
 
 Both kernels recompute P = exp2(s - lse2) from the saved log-sum-exp instead of
 reading a stored [T, S] matrix (FlashAttention-2, Algorithm 2), with
-  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dK = scale dS^T Q,  dQ = scale dS K
-and delta = rowsum(dO * O) (minus the lse cotangent, if any).
+  dV = P~^T dO,  dP = (dO V^T) * Z,  dS = P * (dP - delta),  dK = scale dS'^T Q,
+  dQ = scale dS' K,  where P~ = P * Z (Z the dropout multiplier, 1 without dropout),
+  dS' = dS * (1 - tanh^2) under a soft cap, and delta = rowsum(dO * O) (minus the lse
+  cotangent, if any). The bias gradient is dS.
 
 The dK/dV kernel runs over key blocks and loops over the query blocks *and the
 query heads of a GQA group*, so dK/dV of a shared key head are summed in registers
@@ -20,94 +22,162 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.forward import mask_inputs
+from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
+                                    tile_scores)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
-def _probs(q, k, lse2, *, scale2, acc, precision, mask):
-  s = common.dot(q, k, trans_b=True, acc=acc, precision=precision) * scale2
-  if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
+def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, col0, masked,
+                kv_len, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads):
+  """(P~, dS, dS') of one tile: P~ feeds dV, dS the bias gradient, dS' feeds dQ and dK."""
+  s, t = tile_scores(q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
+                     col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg,
+                     mask_tile=mask_tile, bias_tile=bias_tile)
   # lse2 is +inf on rows with no visible key and on padded rows: P = 0 there.
-  return jnp.exp2(s - lse2[:, None])
+  p = jnp.exp2(s - lse2[:, None])
+  dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
+  p_out = p
+  if seed is not None:
+    z = dropout_scale(seed, batch, head, row0, col0, s.shape, opts.dropout_rate, num_heads)
+    p_out = p * z
+    dp = dp * z
+  ds = p * (dp - delta[:, None])
+  ds_logits = ds if t is None else ds * (1.0 - t * t)  # d(c tanh(x / c)) / dx
+  return p_out, ds, ds_logits
 
 
-def _causal_mask(row0, col0, shape):
-  rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-  cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-  return rows >= cols
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                scale, scale2, is_causal, block_q, block_k, num_q_blocks, group, acc,
-                precision):
-  j = pl.program_id(0)
-  k = k_ref[...]                                            # [bk, Hp]
-  v = v_ref[...]
+def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, acc,
+                precision, head_blocked):
+  r = dict(zip(names, refs))
+  j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  k = r["k"][...]                                            # [bk, Hp]
+  v = r["v"][...]
+  ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
+  kv_len = ranges[5]
+  kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
+  seed = r["seed"][0] if "seed" in r else None
   dk = jnp.zeros(k.shape, acc)
   dv = jnp.zeros(v.shape, acc)
+
+  def dense(name, rows, g):
+    if name not in r:
+      return None
+    return r[name][g, rows, :] if head_blocked[name] else r[name][rows, :]
 
   def body(i, carry, g, masked):
     dk, dv = carry
     rows = pl.ds(i * block_q, block_q)
-    q = q_ref[rows, g, :]
-    do = do_ref[rows, g, :]
-    lse2 = lse_ref[g, rows]
-    delta = delta_ref[g, rows]
-    mask = _causal_mask(i * block_q, j * block_k, (block_q, block_k)) if masked else None
-    p = _probs(q, k, lse2, scale2=scale2, acc=acc, precision=precision, mask=mask)
-    dv = dv + common.dot(p.astype(do.dtype).T, do, acc=acc, precision=precision)
-    dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
-    ds = (p * (dp - delta[:, None])).astype(q.dtype)
-    dk = dk + common.dot(ds.T, q, acc=acc, precision=precision)
+    q = r["q"][rows, g, :]
+    do = r["do"][rows, g, :]
+    p_out, _, ds = _tile_grads(
+        q, k, v, do, r["lse2"][g, rows], r["delta"][g, rows], opts=opts, scale=scale,
+        acc=acc, precision=precision, row0=i * block_q, col0=j * block_k, masked=masked,
+        kv_len=kv_len, q_seg=r["q_seg"][rows] if "q_seg" in r else None, kv_seg=kv_seg,
+        mask_tile=dense("mask", rows, g), bias_tile=dense("bias", rows, g), seed=seed,
+        batch=b, head=h * group + g, num_heads=num_heads)
+    dv = dv + common.dot(p_out.astype(do.dtype).T, do, acc=acc, precision=precision)
+    dk = dk + common.dot(ds.astype(q.dtype).T, q, acc=acc, precision=precision)
     return dk, dv
 
-  lo, n_mask = common.q_range(j, block_q=block_q, block_k=block_k,
-                              num_q_blocks=num_q_blocks, is_causal=is_causal)
   carry = (dk, dv)
   for g in range(group):  # static: the query heads that share this key head
-    carry = lax.fori_loop(lo, n_mask, functools.partial(body, g=g, masked=True), carry)
-    carry = lax.fori_loop(n_mask, num_q_blocks, functools.partial(body, g=g, masked=False),
-                          carry)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, g=g, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, g=g, masked=False), carry)
+    carry = lax.fori_loop(full_hi, hi, functools.partial(body, g=g, masked=True), carry)
   dk, dv = carry
-  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  r["dk"][...] = (dk * scale).astype(r["dk"].dtype)
+  r["dv"][...] = dv.astype(r["dv"].dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, scale2,
-               is_causal, block_q, block_k, num_k_blocks, acc, precision):
-  i = pl.program_id(0)
-  q = q_ref[...]
-  do = do_ref[...]
-  lse2 = lse_ref[...]
-  delta = delta_ref[...]
+def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_heads, acc,
+               precision):
+  r = dict(zip(names, refs))
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q = r["q"][...]
+  do = r["do"][...]
+  lse2 = r["lse2"][...]
+  delta = r["delta"][...]
+  ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
+  kv_len = ranges[5]
+  q_seg = r["q_seg"][...] if "q_seg" in r else None
+  seed = r["seed"][0] if "seed" in r else None
   dq = jnp.zeros(q.shape, acc)
 
   def body(j, dq, masked):
     cols = pl.ds(j * block_k, block_k)
-    k = k_ref[cols, :]
-    v = v_ref[cols, :]
-    mask = _causal_mask(i * block_q, j * block_k, (block_q, block_k)) if masked else None
-    p = _probs(q, k, lse2, scale2=scale2, acc=acc, precision=precision, mask=mask)
-    dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
-    ds = (p * (dp - delta[:, None])).astype(k.dtype)
-    return dq + common.dot(ds, k, acc=acc, precision=precision)
+    k = r["k"][cols, :]
+    v = r["v"][cols, :]
+    _, ds, ds_logits = _tile_grads(
+        q, k, v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
+        row0=i * block_q, col0=j * block_k, masked=masked, kv_len=kv_len, q_seg=q_seg,
+        kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
+        mask_tile=r["mask"][:, cols] if "mask" in r else None,
+        bias_tile=r["bias"][:, cols] if "bias" in r else None, seed=seed, batch=b, head=n,
+        num_heads=num_heads)
+    if "dbias" in r:
+      r["dbias"][:, cols] = ds.astype(r["dbias"].dtype)
+    return dq + common.dot(ds_logits.astype(k.dtype), k, acc=acc, precision=precision)
 
-  # Padded key columns need no mask here: K and V are zero-padded, so their dS column
-  # multiplies a zero row of K.
-  n_full, hi = common.kv_range(i, block_q=block_q, block_k=block_k,
-                               num_k_blocks=num_k_blocks, kv_len=num_k_blocks * block_k,
-                               is_causal=is_causal)
-  dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-  dq = lax.fori_loop(n_full, hi, functools.partial(body, masked=True), dq)
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  if "dbias" in r:  # tiles never visited have a zero bias gradient
+    def zero(j, _):
+      r["dbias"][:, pl.ds(j * block_k, block_k)] = jnp.zeros((block_q, block_k),
+                                                             r["dbias"].dtype)
+      return _
+    lax.fori_loop(0, lo, zero, 0)
+    lax.fori_loop(hi, num_k_blocks, zero, 0)
+  dq = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), dq)
+  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), dq)
+  dq = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), dq)
+  r["dq"][...] = (dq * scale).astype(r["dq"].dtype)
 
 
-def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, is_causal: bool,
-                   block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def _group_inputs(ops: MaskOperands, *, G, Tp, Sp, bk):
+  """Mask operands for the dK/dV kernel: all query rows, the key block, a head group."""
+  names, arrays, specs, head_blocked = [], [], [], {}
+  if ops.q_segment_ids is not None:
+    names += ["q_seg", "kv_seg"]
+    arrays += [jnp.pad(ops.q_segment_ids, ((0, 0), (0, Tp - ops.q_segment_ids.shape[1])),
+                       constant_values=-1),
+               jnp.pad(ops.kv_segment_ids, ((0, 0), (0, Sp - ops.kv_segment_ids.shape[1])),
+                       constant_values=-2)]
+    specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+              pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
+  for name, x in (("mask", ops.mask), ("bias", ops.bias)):
+    if x is None:
+      continue
+    if name == "mask":
+      x = x.astype(jnp.int8)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - x.shape[2]), (0, Sp - x.shape[3])))
+    bb, nb = x.shape[0] > 1, x.shape[1] > 1
+    names.append(name)
+    arrays.append(x)
+    head_blocked[name] = nb
+    if nb:
+      specs.append(pl.BlockSpec((None, G, Tp, bk),
+                                lambda j, b, h, bb=bb: (b if bb else 0, h, 0, j)))
+    else:
+      specs.append(pl.BlockSpec((None, None, Tp, bk),
+                                lambda j, b, h, bb=bb: (b if bb else 0, 0, 0, j)))
+  if ops.dropout_seed is not None:
+    names.append("seed")
+    arrays.append(jnp.reshape(ops.dropout_seed, (1,)).astype(jnp.uint32))
+    specs.append(pl.BlockSpec((1,), lambda *g: (0,)))
+  return names, arrays, specs, head_blocked
+
+
+def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
+                   opts: MaskOptions | None = None, ops: MaskOperands | None = None,
+                   block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+                   is_causal: bool | None = None):
   """Gradients of attention from the saved (q, k, v, out, lse) and the output cotangent.
 
-  Returns (dq, dk, dv) in the input dtypes.
+  Returns (dq, dk, dv), and dbias (shaped like `ops.bias`) when a bias is given.
   """
+  opts = opts or MaskOptions(is_causal=bool(is_causal))
+  ops = ops or MaskOperands()
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -131,11 +201,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, is_causa
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
   pad_q = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Tp)
   pad_k = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Sp)
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
+  x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=G, Tp=Tp, Sp=Sp, bk=bk)
+  names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, "dk", "dv"]
   dk, dv = pl.pallas_call(
       functools.partial(
-          _dkv_kernel, scale=scale, scale2=scale * common.LOG2E, is_causal=is_causal,
-          block_q=bq, block_k=bk, num_q_blocks=Tp // bq, group=G, acc=acc,
-          precision=precision),
+          _dkv_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
+          group=G, num_heads=N, acc=acc, precision=precision, head_blocked=head_blocked),
       grid=(Sp // bk, B, K),
       in_specs=[
           pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # q, the group
@@ -144,6 +216,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, is_causa
           pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # dout
           pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # lse2
           pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # delta
+          pl.BlockSpec((None, None, 8), lambda j, b, h: (b, j, 0)),        # ranges
+          *x_specs,
       ],
       out_specs=[
           pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
@@ -154,19 +228,32 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, is_causa
       compiler_params=common.triton_params(warps, stages),
       interpret=interp,
       name="jflash_bwd_dkv",
-  )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf), _pad_t(delta, Tp, 0))
+  )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),
+    _pad_t(delta, Tp, 0), ranges, *x_arrays)
 
-  # -- dQ: grid over query blocks of each query head
+  # -- dQ (and dbias): grid over query blocks of each query head
   bq = common.fit_block(blocks.block_q_dq, T)
   bk = common.fit_block(blocks.block_k_dq, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
   pad_q = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Tp)
   pad_k = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Sp)
-  dq = pl.pallas_call(
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+  x_names, x_arrays, x_specs = mask_inputs(
+      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, i))
+  out_names = ["dq"]
+  out_specs = [pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0))]
+  out_shape = [jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype)]
+  if ops.bias is not None:
+    # The bias is the caller's own [B|1, N|1, T, S] input; its gradient is written per
+    # (batch, head) and summed over broadcast axes below.
+    out_names.append("dbias")
+    out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((B, N, Tp, Sp), acc))
+  names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, *out_names]
+  res = pl.pallas_call(
       functools.partial(
-          _dq_kernel, scale=scale, scale2=scale * common.LOG2E, is_causal=is_causal,
-          block_q=bq, block_k=bk, num_k_blocks=Sp // bk, acc=acc,
-          precision=precision),
+          _dq_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
+          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision),
       grid=(Tp // bq, B, N),
       in_specs=[
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),       # q
@@ -175,18 +262,24 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, is_causa
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),       # dout
           pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),              # lse2
           pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),              # delta
+          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, i, 0)),               # ranges
+          *x_specs,
       ],
-      out_specs=pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=common.triton_params(warps, stages),
       interpret=interp,
       name="jflash_bwd_dq",
-  )(common.pad_to(common.pad_to(q, 3, Hp), 1, Tp),
-    common.pad_to(common.pad_to(k, 3, Hp), 1, Sp),
-    common.pad_to(common.pad_to(v, 3, Hp), 1, Sp),
-    common.pad_to(common.pad_to(dout, 3, Hp), 1, Tp),
-    _pad_t(lse2, Tp, jnp.inf), _pad_t(delta, Tp, 0))
-  return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
+  )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),
+    _pad_t(delta, Tp, 0), ranges, *x_arrays)
+  grads = (res[0][:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H])
+  if ops.bias is None:
+    return grads
+  dbias = res[1][:, :, :T, :S]
+  axes = tuple(a for a in (0, 1) if ops.bias.shape[a] == 1)
+  if axes:
+    dbias = dbias.sum(axis=axes, keepdims=True)
+  return (*grads, dbias.astype(ops.bias.dtype))
 
 
 def _pad_t(x, size, fill):

@@ -5,6 +5,10 @@ loops over key/value blocks, keeping the running max `m_i`, running sum `l_i` an
 the unnormalised output `acc` in float32 (FlashAttention-2, Algorithm 1). Logits are
 kept in base 2 (`exp2`, scale folded with log2(e)); lse is returned in natural log.
 No [T, S] array exists anywhere.
+
+Each program reads its key-block range (lo, full_lo, full_hi, hi) from a small table:
+tiles outside [lo, hi) are never loaded, tiles in [full_lo, full_hi) run without any
+element-wise mask, and only the boundary tiles in between apply one.
 """
 from __future__ import annotations
 
@@ -16,55 +20,107 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
+                                    tile_scores)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale2, is_causal, block_q,
-                block_k, kv_len, num_k_blocks, acc, precision):
-  i = pl.program_id(0)
-  q = q_ref[...]                                            # [bq, Hp], stays resident
+def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_heads, acc,
+                precision):
+  r = dict(zip(names, refs))
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q = r["q"][...]                                           # [bq, Hp], stays resident
+  ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
+  q_len, kv_len = ranges[4], ranges[5]
+  q_seg = r["q_seg"][...] if "q_seg" in r else None
+  seed = r["seed"][0] if "seed" in r else None
   m_i = jnp.full((block_q,), -jnp.inf, acc)
   l_i = jnp.zeros((block_q,), acc)
   o = jnp.zeros(q.shape, acc)
 
   def body(j, carry, masked):
     o, m_i, l_i = carry
-    k = k_ref[pl.ds(j * block_k, block_k), :]
-    v = v_ref[pl.ds(j * block_k, block_k), :]
-    s = common.dot(q, k, trans_b=True, acc=acc, precision=precision) * scale2
-    if masked:  # boundary tiles only: causal diagonal and the clipped last key tile
-      cols = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-      keep = cols < kv_len
-      if is_causal:
-        rows = i * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        keep = keep & (rows >= cols)
-      s = jnp.where(keep, s, -jnp.inf)
+    cols = pl.ds(j * block_k, block_k)
+    k = r["k"][cols, :]
+    v = r["v"][cols, :]
+    s, _ = tile_scores(
+        q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=i * block_q,
+        col0=j * block_k, masked=masked, kv_len=kv_len, q_seg=q_seg,
+        kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
+        mask_tile=r["mask"][:, cols] if "mask" in r else None,
+        bias_tile=r["bias"][:, cols] if "bias" in r else None)
     # -- update m_i and l_i. A row with nothing visible yet has m = -inf; use 0 in its
     # place so exp2 never sees (-inf) - (-inf).
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(acc)
     alpha = jnp.exp2(m_i - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
-    l_i = alpha * l_i + jnp.sum(p, axis=1)
+    l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
+    if seed is not None:                     # ...only kept ones reach the output
+      p = p * dropout_scale(seed, b, n, i * block_q, j * block_k, s.shape,
+                            opts.dropout_rate, num_heads)
     o = alpha[:, None] * o + common.dot(p.astype(v.dtype), v, acc=acc, precision=precision)
     return o, m_new, l_i
 
-  n_full, hi = common.kv_range(i, block_q=block_q, block_k=block_k,
-                               num_k_blocks=num_k_blocks, kv_len=kv_len,
-                               is_causal=is_causal)
-  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (o, m_i, l_i))
-  o, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(body, masked=True), carry)
+  carry = (o, m_i, l_i)
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  o, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
-  # -- normalise once at the end (FlashAttention-2, section 3.1.1); an empty row -> 0
-  has = l_i > 0
+  # -- normalise once at the end (FlashAttention-2, section 3.1.1). A row that saw no
+  # key, or lies past the query length, returns 0 and lse = -inf.
+  rows = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  has = (l_i > 0) & (rows < q_len)
   l_safe = jnp.where(has, l_i, 1.0)
-  o_ref[...] = (o / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2, -jnp.inf).astype(lse_ref.dtype)
+  r["out"][...] = jnp.where(has[:, None], o / l_safe[:, None], 0.0).astype(r["out"].dtype)
+  r["lse"][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2,
+                            -jnp.inf).astype(r["lse"].dtype)
 
 
-def flash_forward(q, k, v, *, scale: float, is_causal: bool,
-                  block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def mask_inputs(ops: MaskOperands, *, B, N, Tp, Sp, bq, q_index, head_block=None):
+  """(names, arrays, specs) of the optional per-tile mask operands.
+
+  `q_index(b, n, i)` maps a grid point to (batch, head, query block) for row-blocked
+  operands; with `head_block` (dK/dV kernel) the operands hold all rows and a group
+  of heads, and are sliced in the kernel.
+  """
+  names, arrays, specs = [], [], []
+  pad_rows = lambda x, fill: jnp.pad(x, ((0, 0), (0, Tp - x.shape[1])), constant_values=fill)
+  pad_cols = lambda x, fill: jnp.pad(x, ((0, 0), (0, Sp - x.shape[1])), constant_values=fill)
+  if ops.q_segment_ids is not None:
+    names += ["q_seg", "kv_seg"]
+    # Padded rows/cols get ids that match nothing.
+    arrays += [pad_rows(ops.q_segment_ids, -1), pad_cols(ops.kv_segment_ids, -2)]
+    specs += [pl.BlockSpec((None, bq), lambda *g: (q_index(*g)[0], q_index(*g)[2])),
+              pl.BlockSpec((None, Sp), lambda *g: (q_index(*g)[0], 0))]
+  for name, x in (("mask", ops.mask), ("bias", ops.bias)):
+    if x is None:
+      continue
+    if name == "mask":
+      x = x.astype(jnp.int8)  # one byte per element, like bool, and loadable by Triton
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - x.shape[2]), (0, Sp - x.shape[3])))
+    bb, nb = x.shape[0] > 1, x.shape[1] > 1
+    names.append(name)
+    arrays.append(x)
+
+    def index(*g, bb=bb, nb=nb):
+      b, n, i = q_index(*g)
+      return (b if bb else 0, n if nb else 0, i, 0)
+    specs.append(pl.BlockSpec((None, None, bq, Sp), index))
+  if ops.dropout_seed is not None:
+    names.append("seed")
+    arrays.append(jnp.reshape(ops.dropout_seed, (1,)).astype(jnp.uint32))
+    specs.append(pl.BlockSpec((1,), lambda *g: (0,)))
+  return names, arrays, specs
+
+
+def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
+                  ops: MaskOperands | None = None, block_sizes: BlockSizes | None = None,
+                  interpret: bool | None = None, is_causal: bool | None = None):
   """q [B, T, N, H], k/v [B, S, K, H] -> out [B, T, N, H], lse [B, N, T] (natural log)."""
+  opts = opts or MaskOptions(is_causal=bool(is_causal))
+  ops = ops or MaskOperands()
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -80,10 +136,13 @@ def flash_forward(q, k, v, *, scale: float, is_causal: bool,
   vp = common.pad_to(common.pad_to(v, 3, Hp), 1, Sp)
   acc = common.acc_dtype(q.dtype)
   warps, stages = launch_params(H, blocks, backward=False)
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+  extra_names, extra_arrays, extra_specs = mask_inputs(
+      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, i))
+  names = ["q", "k", "v", "ranges", *extra_names, "out", "lse"]
   kernel = functools.partial(
-      _fwd_kernel, scale2=scale * common.LOG2E, is_causal=is_causal, block_q=bq,
-      block_k=bk, kv_len=S, num_k_blocks=Sp // bk, acc=acc,
-      precision=common.dot_precision(q.dtype))
+      _fwd_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
+      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype))
   out, lse = pl.pallas_call(
       kernel,
       grid=(Tp // bq, B, N),
@@ -91,6 +150,8 @@ def flash_forward(q, k, v, *, scale: float, is_causal: bool,
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
+          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, i, 0)),
+          *extra_specs,
       ],
       out_specs=[
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
@@ -101,5 +162,5 @@ def flash_forward(q, k, v, *, scale: float, is_causal: bool,
       compiler_params=common.triton_params(warps, stages),
       interpret=common.use_interpret(interpret),
       name="jflash_fwd",
-  )(qp, kp, vp)
+  )(qp, kp, vp, ranges, *extra_arrays)
   return out[:, :T, :, :H], lse[:, :, :T]

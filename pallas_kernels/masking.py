@@ -128,22 +128,89 @@ def ranges_from_classes(classes):
   return jnp.stack([lo, full_lo, full_hi, hi], -1).astype(jnp.int32)
 
 
-def classes_static(T, S, block_q, block_k, is_causal):
-  """[nq, nk] classes of the static rules (causal and the clipped last key tile)."""
+def classes_static(T, S, block_q, block_k, opts: MaskOptions):
+  """[nq, nk] classes under the static rules: causal, window, the clipped last key tile."""
   nq, nk = -(-T // block_q), -(-S // block_k)
   r0 = np.arange(nq)[:, None] * block_q
   r1 = np.minimum(r0 + block_q, T) - 1
   c0 = np.arange(nk)[None, :] * block_k
-  c1 = c0 + block_k - 1
+  c1 = c0 + block_k - 1                  # last column of the tile
+  c1_real = np.minimum(c1, S - 1)         # last column that exists
   any_ = np.ones((nq, nk), bool)
   all_ = np.broadcast_to(c1 < S, (nq, nk))
-  if is_causal:
+  if opts.is_causal:
     any_ = any_ & (c0 <= r1)
     all_ = all_ & (c1 <= r0)
+  if opts.window is not None:
+    left, right = opts.window
+    any_ = any_ & (c1_real >= r0 - left) & (c0 <= r1 + right)
+    all_ = all_ & (c0 >= r1 - left) & (c1 <= r0 + right)
   return np.where(all_ & any_, FULL, np.where(any_, BOUNDARY, SKIP)).astype(np.int8)
+
+
+def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, block_k,
+                 transpose: bool = False):
+  """[B, n, 8] int32 per (batch, block): lo, full_lo, full_hi, hi, q_len, kv_len, 0, 0.
+
+  Rows are query blocks (forward, dQ) or, with `transpose`, key blocks (dK/dV). The
+  classes of the static rules and of the caller's data-dependent `schedule` combine by
+  minimum, since SKIP < BOUNDARY < FULL.
+  """
+  classes = jnp.asarray(classes_static(T, S, block_q, block_k, opts))[None]
+  if ops.schedule is not None:
+    classes = jnp.minimum(classes, ops.schedule(block_q=block_q, block_k=block_k).astype(jnp.int8))
+  classes = jnp.broadcast_to(classes, (B, *classes.shape[1:]))
+  if transpose:
+    classes = jnp.swapaxes(classes, 1, 2)
+  r = ranges_from_classes(classes)
+  n = r.shape[1]
+  lens = lambda x, full: jnp.broadcast_to(
+      (jnp.full((B,), full, jnp.int32) if x is None else x.astype(jnp.int32))[:, None, None],
+      (B, n, 1))
+  zeros = jnp.zeros((B, n, 2), jnp.int32)
+  return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), zeros], -1)
 
 
 def tile_mask_iota(row0, col0, shape):
   rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
   cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
   return rows, cols
+
+
+# -- what a kernel does with a tile ----------------------------------------------------------
+
+def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, masked,
+                kv_len, q_seg=None, kv_seg=None, mask_tile=None, bias_tile=None):
+  """Base-2 logits of one [bq, bk] tile with every mask applied, and tanh of the soft
+  cap (for the backward) or None.
+
+  `masked` is static: FULL tiles skip the element-wise structured rules entirely.
+  """
+  from pallas_kernels.common import LOG2E, dot
+  s = dot(q, k, trans_b=True, acc=acc, precision=precision) * scale
+  t = None
+  if opts.soft_cap is not None:
+    t = jnp.tanh(s / opts.soft_cap)
+    s = opts.soft_cap * t
+  if bias_tile is not None:
+    s = s + bias_tile.astype(acc)
+  s = s * LOG2E  # exp(x) = exp2(x log2 e): exp2 is the hardware instruction
+  keep = None
+  if masked:
+    rows, cols = tile_mask_iota(row0, col0, s.shape)
+    keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+  if mask_tile is not None:
+    keep = mask_tile != 0 if keep is None else keep & (mask_tile != 0)
+  if keep is not None:
+    s = jnp.where(keep, s, -jnp.inf)
+  return s, t
+
+
+def dropout_scale(seed, batch, head, row0, col0, shape, rate, num_heads):
+  """[bq, bk] multiplier Z / (1 - rate) of the hashed keep mask Z."""
+  bq, bk = shape
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  key = dropout_row_key(seed, batch, head, rows, num_heads)
+  keep = dropout_keep(key, cols, rate)
+  return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)

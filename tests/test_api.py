@@ -66,7 +66,7 @@ def test_default_implementation_on_cpu():
 
 
 def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
-  def refuse(q, k, v, cfg):
+  def refuse(q, k, v, cfg, extras=None):
     raise NotImplementedError("refuses everything")
 
   api.register_implementation("refuser", lambda: api.Implementation(

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import jflash
-from pallas_kernels import common
+from pallas_kernels.masking import MaskOptions, classes_static, ranges_from_classes
 from tests.attention_test_base import AttentionTestBase
 
 
@@ -14,21 +14,23 @@ class TestPallas(AttentionTestBase):
 
 @pytest.mark.parametrize("T,S,bq,bk", [(257, 257, 32, 32), (97, 203, 16, 64), (203, 97, 64, 16)])
 def test_causal_schedule_matches_numpy_simulation(T, S, bq, bk):
-  # The kernels' tile bounds visit exactly the tiles the NumPy simulation visits, and
+  # The kernels' tile ranges visit exactly the tiles the NumPy simulation visits, and
   # never a tile entirely above the diagonal.
-  rows = common.key_block_schedule(T, S, block_q=bq, block_k=bk, is_causal=True)
+  opts = MaskOptions(is_causal=True)
+  classes = classes_static(T, S, bq, bk, opts)
+  ranges = np.asarray(ranges_from_classes(classes))
   x = np.zeros((1, max(T, S), 1, 16))
   _, _, visited = jflash.attention_tiled_numpy(x[:, :T], x[:, :S], x[:, :S], is_causal=True,
                                                block_q=bq, block_k=bk)
-  assert sum(a + b for a, b in rows) == visited
-  for i, (n_full, n_boundary) in enumerate(rows):
+  assert int((ranges[:, 3] - ranges[:, 0]).sum()) == visited
+  for i, (lo, full_lo, full_hi, hi) in enumerate(ranges):
     last_row = min(T, (i + 1) * bq) - 1
-    assert (n_full + n_boundary - 1) * bk <= last_row  # the last visited tile is needed
-    assert n_full * bk <= i * bq + 1                    # unmasked tiles are fully visible
+    assert lo == 0 and (hi - 1) * bk <= last_row    # the last visited tile is needed
+    assert full_lo == 0 and full_hi * bk <= i * bq + 1  # unmasked tiles are fully visible
 
 
 def test_non_causal_schedule_masks_only_the_clipped_tile():
-  rows = common.key_block_schedule(100, 200, block_q=32, block_k=64, is_causal=False)
-  assert rows == [(3, 1)] * 4
-  rows = common.key_block_schedule(100, 256, block_q=32, block_k=64, is_causal=False)
-  assert rows == [(4, 0)] * 4
+  r = np.asarray(ranges_from_classes(classes_static(100, 200, 32, 64, MaskOptions())))
+  assert r.tolist() == [[0, 0, 3, 4]] * 4
+  r = np.asarray(ranges_from_classes(classes_static(100, 256, 32, 64, MaskOptions())))
+  assert r.tolist() == [[0, 0, 4, 4]] * 4
