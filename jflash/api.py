@@ -248,6 +248,20 @@ def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_len
       extras, is_leaf=lambda x: x is None)) else extras
 
 
+def _zero_padding(query, key, value, extras: MaskArrays):
+  """Zeroes rows past the sequence lengths: padding may hold anything (even NaN), and
+  0 * NaN in P @ V would leak it into valid rows. One fused elementwise pass; the
+  gradient of padded positions is zero, as it should be."""
+  def clear(x, lengths):
+    keep = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
+  if extras.q_lengths is not None:
+    query = clear(query, extras.q_lengths)
+  if extras.kv_lengths is not None:
+    key, value = clear(key, extras.kv_lengths), clear(value, extras.kv_lengths)
+  return query, key, value
+
+
 def _resolve(implementation, q, k, v, cfg, extras) -> Implementation:
   if implementation is None:
     names = default_implementation()
@@ -389,6 +403,8 @@ def attention(
                         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                         dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
   impl = _resolve(implementation, query, key, value, cfg, extras)
+  if extras is not None:
+    query, key, value = _zero_padding(query, key, value, extras)
   if impl.direct is not None:
     out, lse = impl.direct(query, key, value, cfg, extras=extras)
   else:
