@@ -11,7 +11,11 @@
 
 #include <stdint.h>
 
-#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#if defined(JF_CPU_EMULATION)
+// ---------------------------------------------------------------------- CPU, tests only
+#include "emulate_cpu.h"
+
+#elif defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 // ---------------------------------------------------------------------- HIP / gfx906
 #include <hip/hip_runtime.h>
 
