@@ -31,6 +31,14 @@ def max_err(x, ref):
 
 
 def check(seq, head_dim, dtype, causal, heads, extra):
+  try:
+    return _check(seq, head_dim, dtype, causal, heads, extra)
+  except Exception as e:  # recorded, so one failing case does not hide the others
+    return {"seq": seq, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name, "causal": causal,
+            "options": sorted(extra), "ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
+
+
+def _check(seq, head_dim, dtype, causal, heads, extra):
   r = np.random.default_rng(seq + head_dim)
   shape = (1, seq, heads, head_dim)
   q, k, v, do = (r.standard_normal(shape) for _ in range(4))
@@ -63,6 +71,16 @@ def check(seq, head_dim, dtype, causal, heads, extra):
   return row
 
 
+def report(row):
+  if "error" in row:
+    print({k: row[k] for k in ("head_dim", "dtype", "causal", "options", "ok")}, row["error"][:2000],
+          flush=True)
+    return
+  print({k: row[k] for k in ("head_dim", "dtype", "causal", "options", "ok", "seconds")},
+        {n: f"{row[n]['err']:.2e}/{row[n]['bound']:.2e}" for n in ("out", "dq", "dk", "dv")},
+        flush=True)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   gpu = jax.default_backend() == "gpu"
@@ -76,15 +94,13 @@ def main(argv=None):
   for head_dim, dtype, causal in itertools.product((64, 128), (jnp.bfloat16, jnp.float16),
                                                    (False, True)):
     rows.append(check(args.seq, head_dim, dtype, causal, args.heads, {}))
-    print({k: rows[-1][k] for k in ("head_dim", "dtype", "causal", "ok", "seconds")},
-          {n: f"{rows[-1][n]['err']:.2e}/{rows[-1][n]['bound']:.2e}" for n in ("out", "dq", "dk", "dv")},
-          flush=True)
+    report(rows[-1])
   # One masked case on the compiled kernels: window + segments + soft cap + GQA-free.
   seg = np.repeat(np.arange(4), args.seq // 4)[None]
   extra = {"local_window_size": (256, 0), "segment_ids": jnp.asarray(seg, jnp.int32),
            "logits_soft_cap": 30.0}
   rows.append(check(args.seq, 128, jnp.bfloat16, True, args.heads, extra))
-  print("masked", rows[-1]["ok"], {n: f"{rows[-1][n]['err']:.2e}" for n in ("out", "dq", "dk", "dv")})
+  report(rows[-1])
   path = write_result(args.name, vars(args), rows, out_dir=args.out_dir)
   bad = [r for r in rows if not r["ok"]]
   print(f"{len(rows) - len(bad)} passed, {len(bad)} failed -> {path}")

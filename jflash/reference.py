@@ -82,7 +82,7 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
                                            q_segment_ids=q_seg, kv_segment_ids=kv_seg))
   kr = np.repeat(k, G, axis=2)  # query head n uses key head n // G
   vr = np.repeat(v, G, axis=2)
-  raw = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  raw = np.einsum("btnh,bsnh->bnts", q, kr, optimize=True) * scale
   s = raw
   if logits_soft_cap:
     t = np.tanh(raw / logits_soft_cap)
@@ -100,17 +100,17 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   zr = np.ones_like(p)
   if dropout_rate > 0:
     zr = dropout_keep_numpy(dropout_seed, B, N, T, S, dropout_rate) / (1 - dropout_rate)
-  out = np.einsum("bnts,bsnh->btnh", p * zr, vr)
+  out = np.einsum("bnts,bsnh->btnh", p * zr, vr, optimize=True)
   if dout is None:
     return out, lse
   do = np.asarray(dout, np.float64)
-  dvr = np.einsum("bnts,btnh->bsnh", p * zr, do)
-  dp = np.einsum("btnh,bsnh->bnts", do, vr) * zr
-  delta = np.einsum("btnh,btnh->bnt", do, out)[..., None]
+  dvr = np.einsum("bnts,btnh->bsnh", p * zr, do, optimize=True)
+  dp = np.einsum("btnh,bsnh->bnts", do, vr, optimize=True) * zr
+  delta = np.einsum("btnh,btnh->bnt", do, out, optimize=True)[..., None]
   ds = p * (dp - delta)
   dlogits = ds * (1 - t ** 2) if logits_soft_cap else ds
-  dq = np.einsum("bnts,bsnh->btnh", dlogits, kr) * scale
-  dkr = np.einsum("bnts,btnh->bsnh", dlogits, q) * scale
+  dq = np.einsum("bnts,bsnh->btnh", dlogits, kr, optimize=True) * scale
+  dkr = np.einsum("bnts,btnh->bsnh", dlogits, q, optimize=True) * scale
   dk = dkr.reshape(B, S, K, G, H).sum(3)
   dv = dvr.reshape(B, S, K, G, H).sum(3)
   if bias is None:
