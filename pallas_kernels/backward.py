@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.forward import mask_inputs
+from pallas_kernels.forward import mask_inputs, query_block_order
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
                                     tile_scores)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
@@ -92,9 +92,9 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
 
 
 def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_heads, acc,
-               precision):
+               precision, q_order):
   r = dict(zip(names, refs))
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]
   do = r["do"][...]
   lse2 = r["lse2"][...]
@@ -238,31 +238,32 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   pad_q = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Tp)
   pad_k = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Sp)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+  qo = query_block_order(Tp // bq, opts)
   x_names, x_arrays, x_specs = mask_inputs(
-      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, i))
+      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
   out_names = ["dq"]
-  out_specs = [pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0))]
+  out_specs = [pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0))]
   out_shape = [jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype)]
   if ops.bias is not None:
     # The bias is the caller's own [B|1, N|1, T, S] input; its gradient is written per
     # (batch, head) and summed over broadcast axes below.
     out_names.append("dbias")
-    out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0)))
+    out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, qo(i), 0)))
     out_shape.append(jax.ShapeDtypeStruct((B, N, Tp, Sp), acc))
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, *out_names]
   res = pl.pallas_call(
       functools.partial(
           _dq_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision),
+          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision, q_order=qo),
       grid=(Tp // bq, B, N),
       in_specs=[
-          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),       # q
+          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),   # q
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),  # k
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),  # v
-          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),       # dout
-          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),              # lse2
-          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),              # delta
-          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, i, 0)),               # ranges
+          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),   # dout
+          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, qo(i))),          # lse2
+          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, qo(i))),          # delta
+          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, qo(i), 0)),           # ranges
           *x_specs,
       ],
       out_specs=out_specs,

@@ -26,9 +26,9 @@ from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params
 
 
 def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_heads, acc,
-                precision):
+                precision, q_order):
   r = dict(zip(names, refs))
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]                                           # [bq, Hp], stays resident
   ranges = r["ranges"]
   lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
@@ -78,10 +78,19 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
                             -jnp.inf).astype(r["lse"].dtype)
 
 
+def query_block_order(num_q_blocks: int, opts: MaskOptions):
+  """Grid index -> query block. Causal work grows with the block index, so the
+  heaviest blocks are launched first and the light ones fill the tail of the launch
+  (the wave quantisation that otherwise idles SMs at the end)."""
+  if opts.is_causal:
+    return lambda i: num_q_blocks - 1 - i
+  return lambda i: i
+
+
 def mask_inputs(ops: MaskOperands, *, B, N, Tp, Sp, bq, q_index, head_block=None):
   """(names, arrays, specs) of the optional per-tile mask operands.
 
-  `q_index(b, n, i)` maps a grid point to (batch, head, query block) for row-blocked
+  `q_index(i, b, n)` maps a grid point to (batch, head, query block) for row-blocked
   operands; with `head_block` (dK/dV kernel) the operands hold all rows and a group
   of heads, and are sliced in the kernel.
   """
@@ -137,25 +146,26 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   acc = common.acc_dtype(q.dtype)
   warps, stages = launch_params(H, blocks, backward=False)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+  qo = query_block_order(Tp // bq, opts)
   extra_names, extra_arrays, extra_specs = mask_inputs(
-      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, i))
+      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
   names = ["q", "k", "v", "ranges", *extra_names, "out", "lse"]
   kernel = functools.partial(
       _fwd_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype))
+      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype), q_order=qo)
   out, lse = pl.pallas_call(
       kernel,
       grid=(Tp // bq, B, N),
       in_specs=[
-          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
           pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
-          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, i, 0)),
+          pl.BlockSpec((None, None, 8), lambda i, b, n: (b, qo(i), 0)),
           *extra_specs,
       ],
       out_specs=[
-          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+          pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),
+          pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, qo(i))),
       ],
       out_shape=[jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype),
                  jax.ShapeDtypeStruct((B, N, Tp), acc)],
