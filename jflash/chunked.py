@@ -58,8 +58,10 @@ def forward(q, k, v, cfg, extras=None):
         "bkgts,bskh->bkgth", p.astype(q.dtype), vj, preferred_element_type=acc)
     return (m_new, l_i, o), None
 
-  init = (jnp.full((B, K, G, T), -jnp.inf, acc), jnp.zeros((B, K, G, T), acc),
-          jnp.zeros((B, K, G, T, H), acc))
+  # Carries built from q (not from constants) so they carry q's sharding/varying axes
+  # inside shard_map (ring attention runs this per device).
+  o0 = jnp.zeros_like(qg.transpose(0, 2, 3, 1, 4), acc)
+  init = (jnp.full_like(o0[..., 0], -jnp.inf), jnp.zeros_like(o0[..., 0]), o0)
   starts = jnp.arange(0, _blocks(k, bk).shape[0]) * bk
   (m_i, l_i, o), _ = lax.scan(step, init, (_blocks(k, bk), _blocks(v, bk), starts))
   has = l_i > 0  # a fully masked row gives zeros and lse = -inf
@@ -108,7 +110,7 @@ def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
     return dq, (dk.astype(k.dtype), dv.astype(v.dtype), dbias)
 
   starts = jnp.arange(0, _blocks(k, bk).shape[0]) * bk
-  dq, (dk, dv, dbias) = lax.scan(step, jnp.zeros((B, T, K, G, H), acc),
+  dq, (dk, dv, dbias) = lax.scan(step, jnp.zeros_like(qg, acc),
                                  (_blocks(k, bk), _blocks(v, bk), starts))
   unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(B, -1, K, H)[:, :S]
   grads = (dq.reshape(B, T, N, H).astype(q.dtype), unblock(dk), unblock(dv))

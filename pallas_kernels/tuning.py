@@ -39,15 +39,20 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per padded head_dim: (fwd q, fwd k, dkv q, dkv k, dq q, dq k, warps fwd, warps bwd).
-# Larger head dims need smaller tiles to keep Q, K, V, the accumulator and P in
-# registers/shared memory (Hopper: 228 KiB shared memory per SM).
+# Defaults per padded head_dim, from the block sweep on one H200
+# (experiments/results/bench_attention_block_sweep_h200.json; notes in
+# experiments/results/tuning_notes.md):
+#   fwd: (block_q, block_k, num_warps, num_stages)
+#   bwd: (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps, num_stages)
+# The backward prefers square 64 x 64 tiles with 4 warps: its tile holds P, dP and dS
+# at once, and larger tiles spill (128 x 128 with 8 warps ran 11% slower at d=128).
+# head_dim 16/32 follow 64 and 256 halves the tiles (neither swept).
 _TABLE = {
-    16: (128, 64, 64, 64, 64, 64, 4, 4),
-    32: (128, 64, 64, 64, 64, 64, 4, 4),
-    64: (128, 64, 64, 128, 128, 64, 4, 8),
-    128: (128, 64, 64, 128, 128, 64, 8, 8),
-    256: (64, 32, 32, 64, 64, 32, 8, 8),
+    16: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
+    32: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
+    64: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
+    128: ((128, 128, 8, 3), (64, 64, 64, 64, 4, 2)),
+    256: ((64, 64, 8, 2), (32, 32, 32, 32, 4, 2)),
 }
 
 
@@ -60,13 +65,12 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   hp = padded_head_dim(head_dim)
   if hp not in _TABLE:
     raise NotImplementedError(f"head_dim={head_dim} (padded {hp}) > 256 has no tile table entry")
-  bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq, _, _ = _TABLE[hp]
+  (bq, bk, _, _), (bq_dkv, bk_dkv, bq_dq, bk_dq, _, _) = _TABLE[hp]
   return BlockSizes(bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq)
 
 
 def launch_params(head_dim: int, blocks: BlockSizes, backward: bool) -> tuple[int, int]:
   """(num_warps, num_stages) for a launch: explicit values win over the table."""
-  row = _TABLE[padded_head_dim(head_dim)]
-  warps = blocks.num_warps or (row[7] if backward else row[6])
-  stages = blocks.num_stages or (2 if backward else 3)
-  return warps, stages
+  fwd, bwd = _TABLE[padded_head_dim(head_dim)]
+  row = bwd if backward else fwd
+  return blocks.num_warps or row[-2], blocks.num_stages or row[-1]
