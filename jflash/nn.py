@@ -9,10 +9,11 @@ Two ways in:
   * `DecoderLM(LMConfig(...), rngs=...)` is a small GPT-style model whose attention
     implementation is a config field, so one model runs on standard and flash attention.
 
-Nothing jflash cannot honour is dropped quietly. Flax's dense `mask`/`bias`, dropout and
-sown attention weights raise `NotImplementedError` until `jflash.attention` grows the
-matching keyword; which keywords it has is read from its signature on every call, so
-they are forwarded as soon as they exist, with no change here.
+Nothing jflash cannot honour is dropped quietly. Flax's dense `mask`/`bias` and
+dropout are forwarded only when `jflash.attention`'s signature (read on every call, not
+assumed) has the matching keyword, and raise `NotImplementedError` otherwise; sown
+attention weights and Flax's batch-broadcast dropout always raise (flash attention never
+forms the weights; jflash draws one dropout mask per batch and head).
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,15 +52,18 @@ def _flatten_batch(x, nb):
   return x.reshape((math.prod(x.shape[:nb]),) + x.shape[nb:])
 
 
-def _flatten_mask_batch(m, batch_shape):
-  """A mask/bias broadcastable to [batch..., N, T, S] -> 4-D, batch axes merged.
+def _flatten_mask_batch(m, batch_shape, T, S):
+  """A mask/bias broadcastable to [batch..., N, T, S] -> [B|1, N|1, T, S], batch merged.
 
-  Batch axes of size one stay size one (no broadcast, so no copy); otherwise they are
-  broadcast to the query's batch shape and merged like the query's.
+  jflash reads dense masks as [B|1, N|1, T, S]: size-one batch and head axes stay size
+  one (no copy); the T and S axes are broadcast to full size (Flax allows [.., 1, S]
+  padding masks); batch axes that are not all one are broadcast and merged like the
+  query's.
   """
   nb = len(batch_shape)
   m = jnp.asarray(m)
   m = m.reshape((1,) * (nb + 3 - m.ndim) + m.shape)
+  m = jnp.broadcast_to(m, m.shape[:-2] + (T, S))
   if all(d == 1 for d in m.shape[:nb]):
     return m.reshape((1,) + m.shape[nb:])
   m = jnp.broadcast_to(m, tuple(batch_shape) + m.shape[nb:])
@@ -96,7 +99,12 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
   Causal self-attention: pass `is_causal=True` (here or to
   `nnx.MultiHeadAttention.__call__`) rather than `mask=nnx.make_causal_mask(...)`.
   A dense mask's contents are unknown at trace time, so it cannot be recognised as
-  causal; it is forwarded once `jflash.attention` takes `mask=`, and raises before.
+  causal: it is read as data ([T, S] per batch/head, the memory Flax already spent),
+  and no causal tile skipping happens.
+
+  One difference from Flax remains by design: a query row whose mask hides every key
+  returns zeros here (jflash's rule), where Flax's default returns the mean of the
+  values (a softmax over equal -big logits).
   """
   accepted = attention_parameters()
   for name in attention_options:
@@ -154,7 +162,7 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
       _require(name, f"a dense {name} of shape {tuple(jnp.shape(arr))}")
       if name in kwargs:
         raise ValueError(f"{name} given both to make_attention_fn and at call time")
-      arr = _flatten_mask_batch(arr, batch_shape)
+      arr = _flatten_mask_batch(arr, batch_shape, q.shape[1], k.shape[1])
       kwargs[name] = arr.astype(jnp.bool_) if name == "mask" else arr
     if not deterministic and dropout_rate > 0.0:
       _require("dropout_rate", f"dropout_rate={dropout_rate}")
@@ -200,13 +208,28 @@ def apply_rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
 
 
 def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
-                   segment_ids=None, **options):
+                   segment_ids=None, context_parallel_axis=None, **options):
   """[B, T, N, H] attention through jflash, or through jax.nn for the "cudnn" baseline.
 
   Options other than is_causal/scale/implementation (e.g. `local_window_size`,
   `block_sizes`) and `segment_ids` are forwarded to `jflash.attention` when it accepts
   them and raise `NotImplementedError` when it does not.
+
+  With `context_parallel_axis`, q/k/v are local shards of a sequence sharded over that
+  mesh axis in zigzag order (inside `shard_map`) and attention is
+  `jflash.parallel.ring_attention`.
   """
+  if context_parallel_axis is not None:
+    from jflash import parallel
+    unsupported = sorted(set(options) - {"block_sizes"})
+    if implementation in JAX_NN_IMPLEMENTATIONS or unsupported:
+      raise NotImplementedError(
+          f"context_parallel_axis: ring attention runs jflash implementations with "
+          f"block_sizes only, got {implementation=} and options {unsupported}")
+    return parallel.ring_attention(q, k, v, axis_name=context_parallel_axis,
+                                   is_causal=is_causal, scale=scale,
+                                   implementation=implementation,
+                                   segment_ids=segment_ids, **options)
   if implementation in JAX_NN_IMPLEMENTATIONS:
     extra = dict(options, **({} if segment_ids is None else {"segment_ids": segment_ids}))
     if extra:
@@ -245,6 +268,9 @@ class LMConfig:
       compiled instead of num_layers, which keeps 12+-layer compiles short.
     dtype: compute dtype of activations; parameters stay in `param_dtype`.
     rope_base: rotary base frequency.
+    context_parallel_axis: a mesh axis the sequence is sharded over (zigzag order,
+      `jflash.parallel.zigzag_permute`); the model then runs inside `shard_map` and
+      attention is ring attention over that axis. None: no sequence sharding.
   """
 
   vocab_size: int = 256
@@ -262,6 +288,7 @@ class LMConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   rope_base: float = 10000.0
+  context_parallel_axis: str | None = None
 
   def __post_init__(self):
     kv = self.kv_heads
@@ -300,7 +327,8 @@ class Attention(nnx.Module):
                head_dim: int | None = None, *, is_causal: bool = True,
                local_window_size: tuple[int, int] | None = None, use_rope: bool = True,
                rope_base: float = 10000.0, implementation: str | None = None,
-               block_sizes=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               block_sizes=None, dtype=None, param_dtype=jnp.float32,
+               context_parallel_axis: str | None = None, rngs: nnx.Rngs):
     num_kv_heads = num_kv_heads or num_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
@@ -308,6 +336,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.is_causal, self.use_rope, self.rope_base = is_causal, use_rope, rope_base
     self.implementation = implementation
+    self.context_parallel_axis = context_parallel_axis
     options = {}
     if local_window_size is not None:
       options["local_window_size"] = tuple(local_window_size)
@@ -319,7 +348,7 @@ class Attention(nnx.Module):
     elif options:
       raise NotImplementedError(
           f"implementation={implementation!r} takes no options, got {sorted(options)}")
-    self.options = options
+    self.options = tuple(sorted(options.items()))  # hashable: part of the graphdef
     lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = nnx.LinearGeneral(hidden, (num_heads, head_dim), **lin)
     self.key = nnx.LinearGeneral(hidden, (num_kv_heads, head_dim), **lin)
@@ -330,12 +359,17 @@ class Attention(nnx.Module):
                segment_ids: Array | None = None) -> Array:
     q, k, v = self.query(x), self.key(x), self.value(x)
     if self.use_rope:
-      if positions is None:
+      if positions is None and self.context_parallel_axis is not None:
+        from jflash import parallel
+        positions = parallel.shard_positions(x.shape[1], self.context_parallel_axis)
+      elif positions is None:
         positions = jnp.arange(x.shape[1])
       q = apply_rope(q, positions, self.rope_base)
       k = apply_rope(k, positions, self.rope_base)
     o = core_attention(q, k, v, implementation=self.implementation,
-                       is_causal=self.is_causal, segment_ids=segment_ids, **self.options)
+                       is_causal=self.is_causal, segment_ids=segment_ids,
+                       context_parallel_axis=self.context_parallel_axis,
+                       **dict(self.options))
     return self.out(o)
 
 
@@ -349,7 +383,8 @@ class Block(nnx.Module):
                           is_causal=True, local_window_size=cfg.local_window_size,
                           rope_base=cfg.rope_base,
                           implementation=cfg.attention_implementation, dtype=dt,
-                          param_dtype=pdt, rngs=rngs)
+                          param_dtype=pdt, context_parallel_axis=cfg.context_parallel_axis,
+                          rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.up = nnx.Linear(cfg.hidden, cfg.mlp_width, use_bias=False, dtype=dt,
                          param_dtype=pdt, rngs=rngs)

@@ -1,0 +1,432 @@
+"""Memory and speed against sequence length: standard attention vs jflash vs cuDNN.
+
+Two parts, each doubling the sequence length:
+  attention  the op alone, forward and forward+backward: compiled memory (what XLA
+             must hold resident) and measured time. The standard path is doubled until
+             it runs out of memory; jflash continues to --seq-max.
+  lm         one training step of the decoder LM (AdamW, donated state): compiled memory
+             and tokens/s. The "h200" preset reproduces, in kind, the FlashAttention
+             paper's GPT-2 table: 12 layers, hidden 1024, 8 heads x 128, batch 4, seq
+             1K-8K, and flash training (with per-block remat) at 16K-32K.
+
+An out-of-memory is a result, not a crash: a compile or run that fails with
+RESOURCE_EXHAUSTED, or a compiled program larger than the memory budget (the device's
+bytes_limit; host RAM on a CPU), is recorded as "oom" and that implementation stops
+doubling. Writes results/seq_scaling_<backend>.json and .png.
+
+  python experiments/seq_scaling.py                  # CPU default: ~2-3 minutes
+  python experiments/seq_scaling.py --preset h200    # GPU table, ~4 minutes on an H200
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import jflash
+from experiments import common
+from experiments.lm_common import init_model, make_optimizer, make_train_step
+from experiments.scaling_common import (attention_callable, compile_with_memory, failure,
+                                        human_bytes, labels_for_backend, load_average,
+                                        memory_budget_bytes, random_arrays, seq_axis,
+                                        setup_matplotlib, shape_struct, IMPLEMENTATIONS)
+from jflash.nn import LMConfig, lm_flops_per_token
+
+# Per-backend sizes. Each is a complete config; flags override single fields.
+PRESETS = {
+    # 2 CPU cores: timings stop at 2K (a 2K fwd+bwd takes seconds there); memory is
+    # compiled only (no arrays allocated), so it keeps doubling until standard exceeds
+    # host RAM.
+    "cpu": dict(batch=1, heads=4, kv_heads=4, head_dim=64, dtype="float32",
+                seq_start=256, seq_max=65536, time_max_seq=2048, iters=3,
+                lm_layers=2, lm_hidden=128, lm_heads=4, lm_head_dim=32, lm_vocab=256,
+                lm_batch=2, lm_seqs="256,512,1024", lm_long_seqs="", lm_iters=3,
+                lm_dtype="float32", lm_impls="standard,jflash", lm_cudnn_seqs="",
+                lm_long_impls="jflash", lm_long_standard_seqs=""),
+    # The A100 table's model on an H200 (bf16 compute, f32 master weights).
+    "h200": dict(batch=4, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16",
+                 seq_start=1024, seq_max=32768, time_max_seq=32768, iters=5,
+                 lm_layers=12, lm_hidden=1024, lm_heads=8, lm_head_dim=128, lm_vocab=32768,
+                 lm_batch=4, lm_seqs="1024,2048,4096,8192", lm_long_seqs="16384,32768",
+                 lm_iters=3, lm_dtype="bfloat16", lm_impls="standard,jflash",
+                 lm_cudnn_seqs="4096", lm_long_impls="jflash", lm_long_standard_seqs="32768"),
+    # Test-suite size: seconds.
+    "tiny": dict(batch=1, heads=2, kv_heads=1, head_dim=16, dtype="float32",
+                 seq_start=64, seq_max=128, time_max_seq=64, iters=1,
+                 lm_layers=1, lm_hidden=32, lm_heads=2, lm_head_dim=16, lm_vocab=64,
+                 lm_batch=1, lm_seqs="64", lm_long_seqs="128", lm_iters=1,
+                 lm_dtype="float32", lm_impls="standard,jflash", lm_cudnn_seqs="",
+                 lm_long_impls="jflash", lm_long_standard_seqs=""),
+}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                 help="size set; auto = cpu on a CPU, h200 on a GPU (sized for >=80 GB; "
+                      "smaller GPUs record more OOMs, which is still a valid result)")
+  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  p.add_argument("--parts", default="attention,lm", help="which parts to run")
+  p.add_argument("--impls", default=None,
+                 help=f"labels from {list(IMPLEMENTATIONS)}; default all available here "
+                      "(cudnn only on GPU)")
+  p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                 help="causal attention, as in a decoder LM")
+  p.add_argument("--memory-budget-gb", type=float, default=None,
+                 help="treat compiled programs larger than this as OOM; default: the "
+                      "device's bytes_limit, or host RAM on a CPU")
+  p.add_argument("--time-budget-s", type=float, default=2.0,
+                 help="rough seconds of timed calls per configuration: slow ones get "
+                      "fewer repetitions (at least one after warm-up)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+                 help="where the JSON and PNG go (tests pass a tmp dir)")
+  for name, typ, why in [
+      ("batch", int, "attention batch"), ("heads", int, "query heads"),
+      ("kv_heads", int, "key/value heads (GQA when fewer)"), ("head_dim", int, "head dim"),
+      ("dtype", str, "attention input dtype (bf16 on GPU: what training uses)"),
+      ("seq_start", int, "first sequence length"),
+      ("seq_max", int, "stop doubling here even if standard still fits"),
+      ("time_max_seq", int, "time only up to here (above: memory only, nothing allocated)"),
+      ("iters", int, "timed repetitions (median reported), after 1 warm-up"),
+      ("lm_layers", int, "LM depth"), ("lm_hidden", int, "LM width"),
+      ("lm_heads", int, "LM heads"), ("lm_head_dim", int, "LM head dim"),
+      ("lm_vocab", int, "LM vocabulary"), ("lm_batch", int, "LM batch (sequences/step)"),
+      ("lm_seqs", str, "LM sequence lengths, no remat"),
+      ("lm_long_seqs", str, "LM sequence lengths with per-block remat (long context)"),
+      ("lm_impls", str, "labels run at --lm-seqs"),
+      ("lm_cudnn_seqs", str, "LM lengths also run with cuDNN attention (GPU only; one "
+                             "length keeps the run short)"),
+      ("lm_long_impls", str, "labels run at --lm-long-seqs (with remat)"),
+      ("lm_long_standard_seqs", str, "long lengths where standard+remat is tried too, to "
+                                     "record that it cannot (compile-only when over budget)"),
+      ("lm_iters", int, "timed LM steps after 1 warm-up"),
+      ("lm_dtype", str, "LM compute dtype (params stay float32)")]:
+    p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
+                   help=why + " (default: from the preset)")
+  args = p.parse_args(argv)
+  preset = "tiny" if args.tiny else args.preset
+  if preset == "auto":
+    preset = "cpu" if jax.default_backend() == "cpu" else "h200"
+  args.preset = preset
+  for k, v in PRESETS[preset].items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)
+  return args
+
+
+def _seqs(start, stop):
+  s, out = start, []
+  while s <= stop:
+    out.append(s)
+    s *= 2
+  return out
+
+
+def _time_calls(fn, iters, budget_s):
+  """Median seconds of fn() after one warm-up call (compile is already done); fewer
+  repetitions when one call is slow, so a configuration costs about budget_s."""
+  t0 = time.perf_counter()
+  common.block(fn())
+  iters = max(1, min(iters, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    common.block(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), min(times)
+
+
+def attention_flops(B, N, T, S, H, causal, passes):
+  """4 B N T S H per forward (QK^T and PV), halved when causal; fwd+bwd is 3.5x the
+  forward (backward = 2.5x: dV, dP, dQ, dK plus the recomputed QK^T)."""
+  f = 4 * B * N * T * S * H * (0.5 if causal else 1.0)
+  return f * (1.0 if passes == "fwd" else 3.5)
+
+
+# -- part 1: the attention op ----------------------------------------------------------
+
+def run_attention(args, labels, budget):
+  seqs = _seqs(args.seq_start, args.seq_max)
+  rows, stopped = [], {}
+  jobs = [(s, l, m) for s in seqs for l in labels for m in ("fwd", "fwd+bwd")]
+  bar = tqdm(jobs, desc="attention", unit="cfg")
+  for T, label, mode in bar:
+    bar.set_postfix_str(f"{label} {mode} T={T}")
+    row = dict(part="attention", impl=label, mode=mode, seq=T, batch=args.batch,
+               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+               dtype=args.dtype, causal=args.causal)
+    if (label, mode) in stopped:
+      rows.append(dict(row, status="skipped", reason=stopped[label, mode]))
+      continue
+    f = attention_callable(label, args.causal)
+    if mode == "fwd":
+      jitted = jax.jit(f)
+    else:
+      jitted = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
+    qs = shape_struct((args.batch, T, args.heads, args.head_dim), args.dtype)
+    ks = shape_struct((args.batch, T, args.kv_heads, args.head_dim), args.dtype)
+    structs = (qs, ks, ks) + ((qs,) if mode != "fwd" else ())
+    try:
+      compiled, mem = compile_with_memory(jitted, *structs)
+      row["memory"] = mem
+      if budget is not None and mem.get("total_bytes", 0) > budget:
+        row.update(status="oom", error=f"compiled {human_bytes(mem['total_bytes'])} > "
+                                       f"budget {human_bytes(budget)}")
+      elif T > args.time_max_seq:
+        row.update(status="ok", timed=False)
+      else:
+        arrays = random_arrays(args.seed + T, structs)
+        med, best = _time_calls(lambda: compiled(*arrays), args.iters, args.time_budget_s)
+        del arrays
+        flops = attention_flops(args.batch, args.heads, T, T, args.head_dim, args.causal, mode)
+        row.update(status="ok", timed=True, median_s=med, min_s=best,
+                   tflops=flops / med / 1e12)
+    except Exception as e:  # recorded, see failure()
+      row.update(failure(e))
+    if row["status"] in ("oom", "error"):
+      stopped[label, mode] = f"{row['status']} at seq {T}"
+      tqdm.write(f"  {label} {mode} T={T}: {row['status']}: {row['error'][:160]}")
+    rows.append(row)
+  return rows
+
+
+# -- part 2: decoder-LM training step ---------------------------------------------------
+
+def lm_config(args, label, T, remat):
+  return LMConfig(vocab_size=args.lm_vocab, num_layers=args.lm_layers, hidden=args.lm_hidden,
+                  num_heads=args.lm_heads, head_dim=args.lm_head_dim, seq_len=T,
+                  attention_implementation=IMPLEMENTATIONS.get(label, label), remat=remat,
+                  dtype=args.lm_dtype)
+
+
+def run_lm(args, labels, budget):
+  ints = lambda text: [int(t) for t in text.split(",") if t]
+  short = [l for l in labels_for_backend(args.lm_impls.split(",")) if l in labels]
+  long = [l for l in labels_for_backend(args.lm_long_impls.split(",")) if l in labels]
+  jobs = [(T, False, l) for T in ints(args.lm_seqs) for l in short]
+  if "cudnn" in labels:
+    jobs += [(T, False, "cudnn") for T in ints(args.lm_cudnn_seqs)]
+  if "standard" in labels:
+    jobs += [(T, True, "standard") for T in ints(args.lm_long_standard_seqs)]
+  jobs += [(T, True, l) for T in ints(args.lm_long_seqs) for l in long]
+  rows, stopped = [], {}
+  rng = np.random.default_rng(args.seed)
+  bar = tqdm(jobs, desc="lm train step", unit="cfg")
+  for T, remat, label in bar:
+    bar.set_postfix_str(f"{label} T={T}{' remat' if remat else ''}")
+    cfg = lm_config(args, label, T, remat)
+    row = dict(part="lm", impl=label, seq=T, batch=args.lm_batch, remat=remat,
+               config=dataclasses.asdict(cfg))
+    if (label, remat) in stopped:
+      rows.append(dict(row, status="skipped", reason=stopped[label, remat]))
+      continue
+    try:
+      graphdef, params = init_model(cfg, args.seed)
+      row["params"] = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+      tx = make_optimizer(1e-4, 1000, 100)
+      opt_state = tx.init(params)
+      step = make_train_step(graphdef, tx)
+      tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.lm_batch, T)), jnp.int32)
+      w = jnp.ones((args.lm_batch, T), jnp.float32)
+      compiled, mem = compile_with_memory(step, params, opt_state, tok, tok, w)
+      row["memory"] = mem
+      if budget is not None and mem.get("total_bytes", 0) > budget:
+        row.update(status="oom", error=f"compiled {human_bytes(mem['total_bytes'])} > "
+                                       f"budget {human_bytes(budget)}")
+      else:
+        state = [params, opt_state]
+
+        def one_step():
+          state[0], state[1], loss = compiled(state[0], state[1], tok, tok, w)
+          return loss
+        med, best = _time_calls(one_step, args.lm_iters, args.time_budget_s)
+        loss = float(one_step())
+        tokens = args.lm_batch * T
+        row.update(status="ok", median_s=med, min_s=best, tokens_per_s=tokens / med,
+                   loss=loss, model_tflops=lm_flops_per_token(cfg, T) * tokens / med / 1e12)
+        del state
+    except Exception as e:  # recorded, see failure()
+      row.update(failure(e))
+    if row["status"] in ("oom", "error"):
+      stopped[label, remat] = f"{row['status']} at seq {T}"
+      tqdm.write(f"  lm {label} T={T}: {row['status']}: {row['error'][:160]}")
+    rows.append(row)
+  return rows
+
+
+# -- summary + plot ---------------------------------------------------------------------
+
+def summarize(rows):
+  """The published-table view: LM memory (GB) per seq, tokens/s, and the 4K speedup."""
+  lm = [r for r in rows if r["part"] == "lm"]
+  table = {}
+  for r in lm:
+    key = f"{r['impl']}{' +remat' if r['remat'] else ''}"
+    cell = ("OOM" if r["status"] == "oom" else r["status"] if r["status"] != "ok" else
+            {"memory_gb": round(r["memory"]["total_bytes"] / 2**30, 2),
+             "tokens_per_s": round(r["tokens_per_s"], 1)})
+    table.setdefault(key, {})[r["seq"]] = cell
+  out = {"lm_table": table}
+  for T in sorted({r["seq"] for r in lm if not r["remat"]}):
+    ok = {r["impl"]: r for r in lm if r["seq"] == T and not r["remat"] and r["status"] == "ok"}
+    if "standard" in ok and "jflash" in ok:
+      out.setdefault("jflash_speedup_tokens_per_s", {})[T] = round(
+          ok["jflash"]["tokens_per_s"] / ok["standard"]["tokens_per_s"], 3)
+  return out
+
+
+def print_summary(rows):
+  lm = [r for r in rows if r["part"] == "lm"]
+  if not lm:
+    return
+  seqs = sorted({r["seq"] for r in lm})
+  keys = sorted({(r["impl"], r["remat"]) for r in lm}, key=lambda k: (k[1], k[0]))
+  print("\nLM training step: compiled memory / tokens per second")
+  print("| impl | " + " | ".join(str(T) for T in seqs) + " |")
+  print("|---" * (len(seqs) + 1) + "|")
+  for impl, remat in keys:
+    cells = []
+    for T in seqs:
+      r = next((r for r in lm if r["impl"] == impl and r["remat"] == remat and r["seq"] == T), None)
+      if r is None:
+        cells.append("")
+      elif r["status"] == "ok":
+        cells.append(f"{human_bytes(r['memory']['total_bytes'])}, {r['tokens_per_s']:.0f} tok/s")
+      else:
+        cells.append(r["status"].upper())
+    print(f"| {impl}{' +remat' if remat else ''} | " + " | ".join(cells) + " |")
+
+
+COLORS = {"standard": "tab:red", "jflash": "tab:blue", "cudnn": "tab:green"}
+
+
+def plot(rows, path, title, budget):
+  plt = setup_matplotlib()
+  att = [r for r in rows if r["part"] == "attention"]
+  lm = [r for r in rows if r["part"] == "lm"]
+  fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+
+  def series(rs, x, y):
+    pts = sorted((r[x], y(r)) for r in rs if r["status"] == "ok" and y(r) is not None)
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+  def mark_oom(ax, rs, label, ypos):
+    ooms = [r["seq"] for r in rs if r["status"] == "oom"]
+    if ooms:
+      ax.scatter(ooms, [ypos] * len(ooms), marker="x", s=90, color=COLORS.get(label, "k"),
+                 zorder=5, label=f"{label} OOM")
+
+  ax = axes[0, 0]
+  for label in sorted({r["impl"] for r in att}):
+    for mode, ls, mk in (("fwd", "--", "s"), ("fwd+bwd", "-", "o")):
+      rs = [r for r in att if r["impl"] == label and r["mode"] == mode]
+      xs, ys = series(rs, "seq", lambda r: r.get("memory", {}).get("total_bytes", 0) / 2**20)
+      ax.plot(xs, ys, ls, marker=mk, ms=4, color=COLORS.get(label), label=f"{label} {mode}")
+      if mode == "fwd+bwd" and budget:
+        mark_oom(ax, rs, label, budget / 2**20)
+  if budget:
+    ax.axhline(budget / 2**20, color="gray", lw=0.8, ls=":", label="memory budget")
+  ax.set(yscale="log", ylabel="compiled memory (MiB)",
+         title="attention op: compiled memory (x: over budget = OOM)")
+  seq_axis(ax, [r["seq"] for r in att])
+  ax.legend(fontsize=7)
+
+  ax = axes[0, 1]
+  for label in sorted({r["impl"] for r in att}):
+    for mode, ls, mk in (("fwd", "--", "s"), ("fwd+bwd", "-", "o")):
+      rs = [r for r in att if r["impl"] == label and r["mode"] == mode and r.get("timed")]
+      xs, ys = series(rs, "seq", lambda r: r["median_s"] * 1e3)
+      ax.plot(xs, ys, ls, marker=mk, ms=4, color=COLORS.get(label), label=f"{label} {mode}")
+  ax.set(yscale="log", ylabel="median time (ms)", title="attention op: time")
+  seq_axis(ax, [r["seq"] for r in att if r.get("timed")])
+  ax.legend(fontsize=7)
+
+  ok_lm = [r["memory"]["total_bytes"] for r in lm if r["status"] == "ok"]
+  gib = bool(ok_lm) and max(ok_lm) >= 2**30          # GiB on a GPU, MiB for CPU-sized models
+  unit, div = ("GiB", 2**30) if gib else ("MiB", 2**20)
+  for ax, key, ylabel, ttl in (
+      (axes[1, 0], lambda r: r["memory"]["total_bytes"] / div, f"compiled memory ({unit})",
+       "LM training step: compiled memory"),
+      (axes[1, 1], lambda r: r["tokens_per_s"], "tokens / s", "LM training step: throughput")):
+    for label in sorted({r["impl"] for r in lm}):
+      for remat, ls in ((False, "-"), (True, ":")):
+        rs = [r for r in lm if r["impl"] == label and r["remat"] == remat]
+        if not rs:
+          continue
+        xs, ys = series(rs, "seq", key)
+        name = f"{label}{' +remat' if remat else ''}"
+        ax.plot(xs, ys, ls, marker="o", ms=4, color=COLORS.get(label), label=name)
+        ooms = [r["seq"] for r in rs if r["status"] == "oom"]
+        if ooms:
+          ok_y = ys[-1] if ys else 1.0
+          ax.scatter(ooms, [ok_y] * len(ooms), marker="x", s=90, color=COLORS.get(label),
+                     zorder=5, label=f"{name} OOM")
+    ax.set(ylabel=ylabel, title=ttl)
+    seq_axis(ax, [r["seq"] for r in lm])
+    ax.set_ylim(bottom=0)   # linear: the LM's memory spans a few x, not decades
+    ax.legend(fontsize=7)
+  for a in axes.flat:
+    a.grid(True, which="both", alpha=0.3)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  t0 = time.perf_counter()
+  load_start = load_average()
+  labels = labels_for_backend(args.impls.split(",") if args.impls else None)
+  budget, budget_src = memory_budget_bytes(args.memory_budget_gb)
+  parts = args.parts.split(",")
+  print(f"seq_scaling: preset={args.preset} backend={jax.default_backend()} impls={labels} "
+        f"budget={human_bytes(budget)} ({budget_src}) jflash default="
+        f"{jflash.default_implementation()}")
+  rows = []
+  if "attention" in parts:
+    rows += run_attention(args, labels, budget)
+  if "lm" in parts:
+    rows += run_lm(args, labels, budget)
+  backend = jax.default_backend()
+  name = f"seq_scaling_{backend}" + ("" if args.preset in ("cpu", "h200") else f"_{args.preset}")
+  if set(parts) != {"attention", "lm"}:
+    name += "_" + "_".join(parts)   # a partial run never overwrites the full one
+  config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+  config.update(load_average_at_start=load_start, load_average_at_end=load_average(),
+                memory_budget_bytes=budget, memory_budget_source=budget_src, impls=labels,
+                jflash_default_implementation=list(jflash.default_implementation()),
+                implementation_names={l: IMPLEMENTATIONS.get(l, l) for l in labels})
+  summary = summarize(rows)
+  elapsed = time.perf_counter() - t0
+  path = common.write_result(name, config, rows, extra={"summary": summary,
+                                                         "elapsed_s": elapsed},
+                             out_dir=args.out_dir)
+  env = common.environment()
+  plot(rows, Path(args.out_dir) / f"{name}.png",
+       f"seq_scaling on {env['device']} ({backend}), preset {args.preset}; "
+       f"attention B={args.batch} N={args.heads} K={args.kv_heads} H={args.head_dim} "
+       f"{args.dtype}{' causal' if args.causal else ''}; LM {args.lm_layers}L x "
+       f"{args.lm_hidden}, batch {args.lm_batch}, {args.lm_dtype}", budget)
+  print_summary(rows)
+  if summary.get("jflash_speedup_tokens_per_s"):
+    print("jflash / standard tokens/s:", summary["jflash_speedup_tokens_per_s"])
+  print(f"wrote {path} and .png in {elapsed:.0f} s")
+  return path
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,102 @@
+"""Every experiment script runs end to end on CPU in its --tiny configuration, writing to
+a temporary folder (the committed results/ stay untouched).
+
+Each runs as `python experiments/<name>.py`, exactly as a user would, in a subprocess
+with XLA's CPU backend optimisation turned down: these programs run for milliseconds
+and compile for seconds, so optimising them is wasted time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def run_script(name, out_dir, *extra):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip())
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "experiments" / f"{name}.py"), "--tiny", "--out-dir",
+       str(out_dir), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+  return proc
+
+
+def load(out_dir, stem):
+  payload = json.loads((Path(out_dir) / f"{stem}.json").read_text())
+  for key in ("environment", "config", "rows"):
+    assert key in payload, f"{stem}.json lacks {key!r}"
+  assert payload["environment"]["backend"] == "cpu"
+  return payload
+
+
+def test_seq_scaling_tiny(tmp_path):
+  run_script("seq_scaling", tmp_path)
+  res = load(tmp_path, "seq_scaling_cpu_tiny")
+  assert (tmp_path / "seq_scaling_cpu_tiny.png").stat().st_size > 0
+  rows = res["rows"]
+  att = [r for r in rows if r["part"] == "attention" and r["status"] == "ok"]
+  assert {r["impl"] for r in att} == {"standard", "jflash"}       # no cudnn on CPU
+  assert all(r["memory"]["total_bytes"] > 0 for r in att)
+  assert any(r.get("timed") for r in att) and any(not r.get("timed") for r in att)
+  lm = [r for r in rows if r["part"] == "lm"]
+  assert lm and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in lm), lm
+  assert any(r["remat"] for r in lm)
+  assert res["config"]["preset"] == "tiny"
+
+
+def test_seq_scaling_records_oom_instead_of_crashing(tmp_path):
+  """A memory budget below the standard path's need is an OOM row, and doubling stops."""
+  # ~420 KB: T=64 fits; T=128 fits forward only; T=256 fits neither.
+  run_script("seq_scaling", tmp_path, "--parts", "attention", "--impls", "standard",
+             "--seq-max", "256", "--memory-budget-gb", "0.0004")
+  rows = load(tmp_path, "seq_scaling_cpu_tiny_attention")["rows"]
+  status = {(r["mode"], r["seq"]): r["status"] for r in rows}
+  assert "oom" in status.values(), status
+  assert status == {("fwd", 64): "ok", ("fwd+bwd", 64): "ok", ("fwd", 128): "ok",
+                    ("fwd+bwd", 128): "oom", ("fwd", 256): "oom",
+                    ("fwd+bwd", 256): "skipped"}, status
+
+
+def test_numerics_tiny(tmp_path):
+  run_script("numerics", tmp_path)
+  res = load(tmp_path, "numerics_cpu_tiny")
+  ok = [r for r in res["rows"] if r["status"] == "ok"]
+  assert {r["input"] for r in ok} == {"normal", "all-equal", "logit1e4"}
+  for r in ok:
+    assert r["nonfinite"] == 0
+    # float16 attention is good to ~1e-2 of unit-scale outputs; far worse means a bug.
+    assert r["vs_float64"]["max_abs"] < 5e-2, r
+  assert (tmp_path / "numerics_cpu_tiny.png").stat().st_size > 0
+
+
+def test_bandwidth_tiny(tmp_path):
+  run_script("bandwidth", tmp_path)
+  res = load(tmp_path, "bandwidth_cpu_tiny")
+  assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["matmul_TFps"] > 0
+  ok = [r for r in res["rows"] if r["status"] == "ok"]
+  assert {r["impl"] for r in ok} == {"standard", "jflash"}
+  assert all(r["effective_GBps"] > 0 and r["TFps"] > 0 for r in ok)
+
+
+def test_train_lm_tiny_and_resume(tmp_path):
+  run_script("train_lm", tmp_path)
+  res = load(tmp_path, "train_lm_cpu_tiny")
+  assert {r["impl"] for r in res["rows"]} == {"standard", "jflash"}
+  for r in res["rows"]:
+    assert len(r["history"]["train_loss"]) == 6
+  # Same weights, same batches: the two curves differ only by attention rounding.
+  assert res["agreement"]["text"]["max_abs_train_loss_gap"] < 1e-3
+  assert (tmp_path / "train_lm_cpu_tiny.png").stat().st_size > 0
+  # Resume one implementation from its step-6 checkpoint and run to step 8.
+  proc = run_script("train_lm", tmp_path, "--resume", "--steps", "8", "--impls", "jflash")
+  assert "resumed text/jflash" in proc.stdout + proc.stderr
+  row = load(tmp_path, "train_lm_cpu_tiny")["rows"][0]
+  assert row["resumed_from"] == 6
+  assert row["history"]["step"] == list(range(1, 9))
