@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
 
 import argparse
+import json
 import dataclasses
 import statistics
 import time
@@ -386,7 +387,40 @@ def plot(rows, path, title, budget):
   plt.close(fig)
 
 
+def combine(paths, out_dir):
+  """Joins partial runs (--parts attention / lm, each within one device call) into one
+  JSON and one plot, keeping each part's own environment and config."""
+  parts = [json.loads(Path(p).read_text()) for p in paths]
+  rows = [r for part in parts for r in part["rows"]]
+  env, cfg = parts[0]["environment"], parts[0]["config"]
+  backend = env["backend"]
+  name = f"seq_scaling_{backend}"
+  payload = {"environment": env, "config": cfg, "argv": sys.argv, "rows": rows,
+             "summary": summarize(rows), "combined_from": [
+                 {"file": Path(p).name, "environment": part["environment"],
+                  "config": part["config"]} for p, part in zip(paths, parts)]}
+  out = Path(out_dir) / f"{name}.json"
+  out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  plot(rows, Path(out_dir) / f"{name}.png",
+       f"seq_scaling on {env['device']} ({backend}), preset {cfg['preset']}; "
+       f"attention B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} H={cfg['head_dim']} "
+       f"{cfg['dtype']}{' causal' if cfg['causal'] else ''}; LM {cfg['lm_layers']}L x "
+       f"{cfg['lm_hidden']}, batch {cfg['lm_batch']}, {cfg['lm_dtype']}",
+       cfg["memory_budget_bytes"])
+  print_summary(rows)
+  print(f"wrote {out} and .png")
+  return out
+
+
 def main(argv=None):
+  if argv is None:
+    argv = sys.argv[1:]
+  if argv and argv[0] == "--combine":
+    out_dir = common.RESULTS
+    if "--out-dir" in argv:
+      i = argv.index("--out-dir")
+      out_dir, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    return combine(argv[1:], out_dir)
   args = parse_args(argv)
   t0 = time.perf_counter()
   load_start = load_average()
