@@ -106,26 +106,27 @@ def structured_keep(rows, cols, opts: MaskOptions, *, kv_len=None, q_seg=None, k
 
 # -- ranges ---------------------------------------------------------------------------------
 
-def ranges_from_classes(classes):
+def ranges_from_classes(classes, xp=jnp):
   """[..., n] tile classes -> [..., 4] int32 (lo, full_lo, full_hi, hi).
 
   Visit [lo, hi); [full_lo, full_hi) is the first contiguous run of FULL tiles and runs
   with no element-wise mask; every other visited tile is masked element-wise, which is
-  always correct (a FULL tile outside the run only costs a redundant mask).
+  always correct (a FULL tile outside the run only costs a redundant mask). `xp` is
+  numpy for static classes (computed once at trace time, nothing for XLA to fold).
   """
   n = classes.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
+  idx = xp.arange(n, dtype=xp.int32)
   visible = classes != SKIP
   full = classes == FULL
   any_visible = visible.any(-1)
   any_full = full.any(-1)
-  lo = jnp.where(any_visible, jnp.argmax(visible, -1), 0)
-  hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], -1), 0)
-  full_lo = jnp.where(any_full, jnp.argmax(full, -1), lo)
+  lo = xp.where(any_visible, xp.argmax(visible, -1), 0)
+  hi = xp.where(any_visible, n - xp.argmax(visible[..., ::-1], -1), 0)
+  full_lo = xp.where(any_full, xp.argmax(full, -1), lo)
   after = (idx >= full_lo[..., None]) & ~full       # first non-FULL tile after the run
-  full_hi = jnp.where(after.any(-1), jnp.argmax(after, -1), n)
-  full_hi = jnp.where(any_full, jnp.minimum(full_hi, hi), lo)
-  return jnp.stack([lo, full_lo, full_hi, hi], -1).astype(jnp.int32)
+  full_hi = xp.where(after.any(-1), xp.argmax(after, -1), n)
+  full_hi = xp.where(any_full, xp.minimum(full_hi, hi), lo)
+  return xp.stack([lo, full_lo, full_hi, hi], -1).astype(xp.int32)
 
 
 def classes_static(T, S, block_q, block_k, opts: MaskOptions):
@@ -156,7 +157,13 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
   classes of the static rules and of the caller's data-dependent `schedule` combine by
   minimum, since SKIP < BOUNDARY < FULL.
   """
-  classes = jnp.asarray(classes_static(T, S, block_q, block_k, opts))[None]
+  static = classes_static(T, S, block_q, block_k, opts)
+  if ops.schedule is None and ops.q_lengths is None and ops.kv_lengths is None:
+    # Static rules only: the table is a constant, built here in NumPy.
+    r = ranges_from_classes(static.T if transpose else static, xp=np)
+    r = np.concatenate([r, np.tile(np.array([[T, S, 0, 0]], np.int32), (len(r), 1))], -1)
+    return jnp.asarray(np.broadcast_to(r[None], (B, *r.shape)))
+  classes = jnp.asarray(static)[None]
   if ops.schedule is not None:
     classes = jnp.minimum(classes, ops.schedule(block_q=block_q, block_k=block_k).astype(jnp.int8))
   classes = jnp.broadcast_to(classes, (B, *classes.shape[1:]))
