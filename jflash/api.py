@@ -262,7 +262,11 @@ def _zero_padding(query, key, value, extras: MaskArrays):
   return query, key, value
 
 
-def _resolve(implementation, q, k, v, cfg, extras) -> Implementation:
+def resolve_implementation(implementation, check: Callable[[Implementation], None],
+                           what: str = "this call") -> Implementation:
+  """The first of `implementation` (None, a name, or a sequence of names) for which
+  `check(impl)` does not raise `NotImplementedError`; the next name is tried only on
+  that error, and unknown names fail before any is tried."""
   if implementation is None:
     names = default_implementation()
   elif isinstance(implementation, str):
@@ -273,15 +277,15 @@ def _resolve(implementation, q, k, v, cfg, extras) -> Implementation:
   else:
     raise ValueError(
         f"implementation must be None, a name or a sequence of names, got {implementation!r}")
-  impls = [get_implementation(n) for n in names]  # unknown names fail before any try
+  impls = [get_implementation(n) for n in names]
   reasons = []
   for impl in impls:
     try:
-      impl.supports(q, k, v, cfg, extras=extras)
+      check(impl)
       return impl
     except NotImplementedError as e:  # the only exception that moves on to the next one
       reasons.append(f"{impl.name}: {e}")
-  raise NotImplementedError("no implementation can run this call: " + "; ".join(reasons))
+  raise NotImplementedError(f"no implementation can run {what}: " + "; ".join(reasons))
 
 
 # -- the custom_vjp ---------------------------------------------------------------
@@ -402,7 +406,8 @@ def attention(
                         query_seq_lengths=query_seq_lengths,
                         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                         dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
-  impl = _resolve(implementation, query, key, value, cfg, extras)
+  impl = resolve_implementation(
+      implementation, lambda impl: impl.supports(query, key, value, cfg, extras=extras))
   if extras is not None:
     query, key, value = _zero_padding(query, key, value, extras)
   if impl.direct is not None:

@@ -451,27 +451,11 @@ def _segments(segment_ids, query, key):
 
 
 def _resolve(implementation, q, k, v, cfg, segments: bool) -> api.Implementation:
-  """The first implementation that can run every block of this ring (as api's
+  """The first implementation that can run every block of this ring (api's
   `implementation=` rule: the next name is tried only on NotImplementedError)."""
-  if implementation is None:
-    names = api.default_implementation()
-  elif isinstance(implementation, str):
-    names = (implementation,)
-  elif isinstance(implementation, Sequence) and implementation and all(
-      isinstance(n, str) for n in implementation):
-    names = tuple(implementation)
-  else:
-    raise ValueError(
-        f"implementation must be None, a name or a sequence of names, got {implementation!r}")
-  impls = [api.get_implementation(n) for n in names]
-  reasons = []
-  for impl in impls:
-    try:
-      _check_implementation(impl, q, k, v, cfg, segments)
-      return impl
-    except NotImplementedError as e:
-      reasons.append(f"{impl.name}: {e}")
-  raise NotImplementedError("no implementation can run this ring: " + "; ".join(reasons))
+  return api.resolve_implementation(
+      implementation, lambda impl: _check_implementation(impl, q, k, v, cfg, segments),
+      what="this ring")
 
 
 def _check_implementation(impl, q, k, v, cfg, segments):
