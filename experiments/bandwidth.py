@@ -64,13 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
                    help=why + " (default: preset)")
   args = p.parse_args(argv)
-  preset = "tiny" if args.tiny else args.preset
-  if preset == "auto":
-    preset = "cpu" if jax.default_backend() == "cpu" else "gpu"
-  args.preset = preset
-  for k, v in PRESETS[preset].items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  common.apply_preset(args, PRESETS, "gpu")
   return args
 
 

@@ -17,6 +17,19 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def apply_preset(args, presets: dict, gpu_preset: str):
+  """Resolves `--preset auto` (and `--tiny`) for the backend and fills every option left
+  at None from the preset; the resolved values are what the results record."""
+  preset = "tiny" if getattr(args, "tiny", False) else args.preset
+  if preset == "auto":
+    preset = "cpu" if jax.default_backend() == "cpu" else gpu_preset
+  args.preset = preset
+  for k, v in presets[preset].items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)
+  return args
+
+
 def environment() -> dict:
   """Device, versions and host: written beside every result."""
   dev = jax.devices()[0]

@@ -88,13 +88,7 @@ def parse_args(argv=None):
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="per-block jax.checkpoint (default: preset)")
   args = p.parse_args(argv)
-  preset = "tiny" if args.tiny else args.preset
-  if preset == "auto":
-    preset = "cpu" if jax.default_backend() == "cpu" else "h200"
-  args.preset = preset
-  for k, v in PRESETS[preset].items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  common.apply_preset(args, PRESETS, "h200")
   if args.ckpt_dir is None:
     # Never beside the committed results: checkpoints are large binaries.
     root = (REPO / "build") if Path(args.out_dir).resolve() == common.RESULTS else Path(args.out_dir)
