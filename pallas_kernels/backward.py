@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.forward import mask_inputs, query_block_order
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    tile_scores)
+                                    padded_operands, tile_scores)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -136,36 +136,25 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_he
 
 def _group_inputs(ops: MaskOperands, *, G, Tp, Sp, bk):
   """Mask operands for the dK/dV kernel: all query rows, the key block, a head group."""
-  names, arrays, specs, head_blocked = [], [], [], {}
-  if ops.q_segment_ids is not None:
-    names += ["q_seg", "kv_seg"]
-    arrays += [jnp.pad(ops.q_segment_ids, ((0, 0), (0, Tp - ops.q_segment_ids.shape[1])),
-                       constant_values=-1),
-               jnp.pad(ops.kv_segment_ids, ((0, 0), (0, Sp - ops.kv_segment_ids.shape[1])),
-                       constant_values=-2)]
-    specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
-              pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
-  for name, x in (("mask", ops.mask), ("bias", ops.bias)):
-    if x is None:
-      continue
-    if name == "mask":
-      x = x.astype(jnp.int8)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - x.shape[2]), (0, Sp - x.shape[3])))
-    bb, nb = x.shape[0] > 1, x.shape[1] > 1
-    names.append(name)
-    arrays.append(x)
-    head_blocked[name] = nb
-    if nb:
-      specs.append(pl.BlockSpec((None, G, Tp, bk),
-                                lambda j, b, h, bb=bb: (b if bb else 0, h, 0, j)))
-    else:
-      specs.append(pl.BlockSpec((None, None, Tp, bk),
-                                lambda j, b, h, bb=bb: (b if bb else 0, 0, 0, j)))
-  if ops.dropout_seed is not None:
-    names.append("seed")
-    arrays.append(jnp.reshape(ops.dropout_seed, (1,)).astype(jnp.uint32))
-    specs.append(pl.BlockSpec((1,), lambda *g: (0,)))
-  return names, arrays, specs, head_blocked
+  x = padded_operands(ops, Tp, Sp)
+  specs = {
+      "q_seg": pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+      "kv_seg": pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+      "seed": pl.BlockSpec((1,), lambda *g: (0,)),
+  }
+  head_blocked = {}
+  for name in ("mask", "bias"):
+    if name in x:
+      bb, nb = x[name].shape[0] > 1, x[name].shape[1] > 1
+      head_blocked[name] = nb
+      if nb:
+        specs[name] = pl.BlockSpec((None, G, Tp, bk),
+                                   lambda j, b, h, bb=bb: (b if bb else 0, h, 0, j))
+      else:
+        specs[name] = pl.BlockSpec((None, None, Tp, bk),
+                                   lambda j, b, h, bb=bb: (b if bb else 0, 0, 0, j))
+  names = list(x)
+  return names, [x[n] for n in names], [specs[n] for n in names], head_blocked
 
 
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
@@ -199,8 +188,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq = common.fit_block(blocks.block_q_dkv, T)
   bk = common.fit_block(blocks.block_k_dkv, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  pad_q = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Tp)
-  pad_k = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Sp)
+  pad_q = lambda x: common.pad_tiles(x, Tp, Hp)
+  pad_k = lambda x: common.pad_tiles(x, Sp, Hp)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=G, Tp=Tp, Sp=Sp, bk=bk)
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, "dk", "dv"]
@@ -235,8 +224,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq = common.fit_block(blocks.block_q_dq, T)
   bk = common.fit_block(blocks.block_k_dq, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  pad_q = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Tp)
-  pad_k = lambda x: common.pad_to(common.pad_to(x, 3, Hp), 1, Sp)
+  pad_q = lambda x: common.pad_tiles(x, Tp, Hp)
+  pad_k = lambda x: common.pad_tiles(x, Sp, Hp)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   qo = query_block_order(Tp // bq, opts)
   x_names, x_arrays, x_specs = mask_inputs(

@@ -58,5 +58,10 @@ def pad_to(x, axis: int, size: int):
   return jnp.pad(x, pad)
 
 
+def pad_tiles(x, seq: int, head_dim: int):
+  """[B, L, heads, H] zero-padded to [B, seq, heads, head_dim] (whole tiles)."""
+  return pad_to(pad_to(x, 3, head_dim), 1, seq)
+
+
 def round_up(n: int, m: int) -> int:
   return -(-n // m) * m

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    tile_scores)
+                                    padded_operands, tile_scores)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -94,34 +94,22 @@ def mask_inputs(ops: MaskOperands, *, B, N, Tp, Sp, bq, q_index, head_block=None
   operands; with `head_block` (dK/dV kernel) the operands hold all rows and a group
   of heads, and are sliced in the kernel.
   """
-  names, arrays, specs = [], [], []
-  pad_rows = lambda x, fill: jnp.pad(x, ((0, 0), (0, Tp - x.shape[1])), constant_values=fill)
-  pad_cols = lambda x, fill: jnp.pad(x, ((0, 0), (0, Sp - x.shape[1])), constant_values=fill)
-  if ops.q_segment_ids is not None:
-    names += ["q_seg", "kv_seg"]
-    # Padded rows/cols get ids that match nothing.
-    arrays += [pad_rows(ops.q_segment_ids, -1), pad_cols(ops.kv_segment_ids, -2)]
-    specs += [pl.BlockSpec((None, bq), lambda *g: (q_index(*g)[0], q_index(*g)[2])),
-              pl.BlockSpec((None, Sp), lambda *g: (q_index(*g)[0], 0))]
-  for name, x in (("mask", ops.mask), ("bias", ops.bias)):
-    if x is None:
-      continue
-    if name == "mask":
-      x = x.astype(jnp.int8)  # one byte per element, like bool, and loadable by Triton
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - x.shape[2]), (0, Sp - x.shape[3])))
-    bb, nb = x.shape[0] > 1, x.shape[1] > 1
-    names.append(name)
-    arrays.append(x)
+  x = padded_operands(ops, Tp, Sp)
+  specs = {
+      "q_seg": pl.BlockSpec((None, bq), lambda *g: (q_index(*g)[0], q_index(*g)[2])),
+      "kv_seg": pl.BlockSpec((None, Sp), lambda *g: (q_index(*g)[0], 0)),
+      "seed": pl.BlockSpec((1,), lambda *g: (0,)),
+  }
+  for name in ("mask", "bias"):
+    if name in x:
+      bb, nb = x[name].shape[0] > 1, x[name].shape[1] > 1
 
-    def index(*g, bb=bb, nb=nb):
-      b, n, i = q_index(*g)
-      return (b if bb else 0, n if nb else 0, i, 0)
-    specs.append(pl.BlockSpec((None, None, bq, Sp), index))
-  if ops.dropout_seed is not None:
-    names.append("seed")
-    arrays.append(jnp.reshape(ops.dropout_seed, (1,)).astype(jnp.uint32))
-    specs.append(pl.BlockSpec((1,), lambda *g: (0,)))
-  return names, arrays, specs
+      def index(*g, bb=bb, nb=nb):
+        b, n, i = q_index(*g)
+        return (b if bb else 0, n if nb else 0, i, 0)
+      specs[name] = pl.BlockSpec((None, None, bq, Sp), index)
+  names = list(x)
+  return names, [x[n] for n in names], [specs[n] for n in names]
 
 
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
@@ -140,9 +128,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
   # Zero padding: padded head columns add 0 to every dot product; padded keys are
   # masked in the last tile; padded query rows are computed and dropped.
-  qp = common.pad_to(common.pad_to(q, 3, Hp), 1, Tp)
-  kp = common.pad_to(common.pad_to(k, 3, Hp), 1, Sp)
-  vp = common.pad_to(common.pad_to(v, 3, Hp), 1, Sp)
+  qp, kp, vp = common.pad_tiles(q, Tp, Hp), common.pad_tiles(k, Sp, Hp), common.pad_tiles(v, Sp, Hp)
   acc = common.acc_dtype(q.dtype)
   warps, stages = launch_params(H, blocks, backward=False)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
