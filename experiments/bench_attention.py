@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 
 import jflash  # noqa: E402
 from experiments import common  # noqa: E402
+from pallas_kernels.tuning import default_block_sizes  # noqa: E402
 
 # -- the grid -----------------------------------------------------------------------
 TOKENS = 16384          # FA-2 grid: batch * seq held constant
@@ -104,29 +105,35 @@ MGPU_CONFIGS = (
 # -- block sweep ----------------------------------------------------------------------
 SWEEP_SHAPES = {128: 16384, 64: 4096}   # head_dim -> seq: issue 4's long cells
 SWEEP_BUDGET_S = 160                    # split evenly over (d, causal, pass); later candidates skipped
-_BWD_DEFAULT = dict(block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64)
-# Forward candidates (block_q, block_k, num_warps, num_stages), most promising first.
+# Candidates per kernel (rows of Q, rows of K/V, num_warps, num_stages), most promising
+# first. The dK/dV and dQ passes each time the whole backward with the other kernel at
+# jflash's table, so the best of each combine (the kernels run one after the other).
 SWEEP_FWD = {
     64: ((64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3),
          (128, 128, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3)),
     128: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2),
           (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 3)),
 }
-# Backward candidates (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps, num_stages).
-SWEEP_BWD = (
-    (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 4, 2),
-    (32, 128, 128, 32, 4, 2), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3),
-    (64, 64, 64, 64, 4, 2), (128, 128, 128, 128, 8, 2), (64, 64, 64, 64, 4, 3),
-    (64, 128, 64, 64, 4, 2), (64, 128, 64, 64, 8, 2), (32, 64, 64, 32, 4, 2),
-)
+SWEEP_DKV = {
+    64: ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+         (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 4), (128, 64, 4, 2)),
+    128: ((32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+          (64, 128, 8, 2), (128, 128, 8, 2)),
+}
+SWEEP_DQ = {
+    64: ((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2), (64, 32, 4, 3),
+         (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)),
+    128: ((128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3),
+          (128, 64, 4, 2)),
+}
+SWEEP_PASSES = ("fwd", "dkv", "dq")
 
 # -- CPU smoke: tiny shapes, jflash "xla_chunked" against "xla" ------------------------
 SMOKE_CASES = ((128, 32, True),)   # compile time is the cost here, so one config
 SMOKE_BATCH, SMOKE_HEADS = 2, 2
 SMOKE_MEMORY_SEQS = (128,)
 SMOKE_SWEEP = {32: 256}
-SMOKE_SWEEP_FWD = {32: ((64, 64, 4, 3),)}   # "xla_chunked" reads only block_k
-SMOKE_SWEEP_BWD = ((64, 64, 64, 64, 4, 2),)
+SMOKE_SWEEP_CANDS = ((64, 64, 4, 3),)   # "xla_chunked" reads only block_k
 
 _T0 = time.perf_counter()
 
@@ -785,14 +792,14 @@ def run_grid(args):
 
 
 _SWEPT = {"fwd": ("block_q", "block_k", "num_warps", "num_stages"),
-          "bwd": ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq", "num_warps",
-                  "num_stages")}
+          "dkv": ("block_q_dkv", "block_k_dkv", "num_warps_dkv", "num_stages_dkv"),
+          "dq": ("block_q_dq", "block_k_dq", "num_warps_dq", "num_stages_dq")}
 
 
-def _sweep_blocks(pass_, cand):
-  """All jflash.BlockSizes fields for one candidate: the swept pass's from `cand`,
-  the other pass's at plain values (that pass is not timed)."""
-  fields = dict(block_q=128, block_k=64, **_BWD_DEFAULT)
+def _sweep_blocks(pass_, cand, head_dim):
+  """All jflash.BlockSizes fields for one candidate: the swept kernel's from `cand`,
+  the others at jflash's table."""
+  fields = dataclasses.asdict(default_block_sizes(head_dim))
   fields.update(zip(_SWEPT[pass_], cand))
   return fields
 
@@ -807,7 +814,8 @@ def run_block_sweep(args):
   rows, best = [], {}
   budget = args.sweep_budget_s
   causals = (False,) if args.cpu_smoke else (False, True)  # smoke: machinery only
-  slots_left = len(shapes) * len(causals) * 2
+  passes = args.sweep_passes
+  slots_left = len(shapes) * len(causals) * len(passes)
   end = time.perf_counter() + budget
   log(f"block sweep of jflash '{impl}' over {shapes} (budget {budget}s)")
   for d, s in shapes.items():
@@ -816,18 +824,20 @@ def run_block_sweep(args):
       base = make_sets(case, jnp.dtype(args.dtype), 1)
       q, k, v, do = base[0]
       sets_by_peer = lambda peer: peer_inputs(peer, case, base)  # noqa: E731
-      fwd_cands = (SMOKE_SWEEP_FWD if args.cpu_smoke else SWEEP_FWD)[d]
-      bwd_cands = SMOKE_SWEEP_BWD if args.cpu_smoke else SWEEP_BWD
-      for pass_, cands in (("fwd", fwd_cands), ("bwd", bwd_cands)):
+      table = {"fwd": SWEEP_FWD, "dkv": SWEEP_DKV, "dq": SWEEP_DQ}
+      for pass_ in passes:
+        cands = SMOKE_SWEEP_CANDS if args.cpu_smoke else table[pass_][d]
+        mode = "fwd" if pass_ == "fwd" else "bwd"
         ref_name, ref = runner.reference(case, "fwd" if pass_ == "fwd" else "fwd+bwd", sets_by_peer)
         # Each (d, causal, pass) gets an even share of what is left, so a slow slot
         # cuts its own least promising candidates rather than the later slots.
         slot_end = time.perf_counter() + max(0.0, end - time.perf_counter()) / slots_left
         slots_left -= 1
         for cand in (None,) + tuple(cands):  # None: jflash's own table, the baseline
-          fields = None if cand is None else _sweep_blocks(pass_, cand)
+          fields = None if cand is None else _sweep_blocks(pass_, cand, d)
           swept = "default" if cand is None else dict(zip(_SWEPT[pass_], cand))
-          row = dict(impl="jflash", implementation=impl, s=s, d=d, causal=causal, mode=pass_,
+          row = dict(impl="jflash", implementation=impl, s=s, d=d, causal=causal, mode=mode,
+                     pass_=pass_,
                      batch=case.batch, heads=case.heads, dtype=args.dtype, swept=swept,
                      block_sizes=fields or "default", tflops=None, ms=None, rel_err=None,
                      ref=ref_name, status="ok")
@@ -852,20 +862,20 @@ def run_block_sweep(args):
             if ref_name is not None:
               err = rel_err(to_jax(jflash_peer, case, first, "fwd" if pass_ == "fwd" else "fwd+bwd"), ref)
               row["rel_err"] = err
-              if not err <= REL_TOL[pass_]:
+              if not err <= REL_TOL[mode]:
                 row.update(status="wrong", error=f"rel_err={err:.3g} against {ref_name}")
                 log(f"{tag} WRONG rel_err={err:.3g}")
                 rows.append(row)
                 continue
             del first
             sec, calls = time_calls(jflash_peer, fn, sets, args.rounds, args.round_ms / 1e3)
-            row.update(ms=sec * 1e3, tflops=case.flops(pass_) / sec / 1e12, calls_per_round=calls)
+            row.update(ms=sec * 1e3, tflops=case.flops(mode) / sec / 1e12, calls_per_round=calls)
             log(f"{tag} {row['tflops']:7.1f} TF/s {row['ms']:8.3f} ms")
           except Exception as e:
             row.update(status="error", error=_err_text(e))
             log(f"{tag} ERROR {row['error'][:140]}")
           rows.append(row)
-        ok = [r for r in rows if r["d"] == d and r["causal"] == causal and r["mode"] == pass_
+        ok = [r for r in rows if r["d"] == d and r["causal"] == causal and r["pass_"] == pass_
               and r["ms"] is not None]
         if ok:
           b = min(ok, key=lambda r: r["ms"])
@@ -932,6 +942,8 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=ROUNDS)
   p.add_argument("--round-ms", type=float, default=ROUND_S * 1e3)
   p.add_argument("--input-sets", type=int, default=N_INPUT_SETS)
+  p.add_argument("--sweep-passes", type=lambda x: tuple(x.split(",")), default=SWEEP_PASSES,
+                 help="block sweep: which kernels, comma-separated from fwd,dkv,dq")
   p.add_argument("--sweep-budget-s", type=float, default=SWEEP_BUDGET_S,
                  help="block sweep: candidates past this many seconds are skipped")
   p.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S,

@@ -55,8 +55,12 @@ def _check(seq, head_dim, dtype, causal, heads, extra):
   got = [np.asarray(x, np.float64) for x in fwd_bwd("pallas")]
   plain = [np.asarray(x, np.float64) for x in fwd_bwd("xla")]
   qc, kc, vc, doc = (np.asarray(cast(x), np.float64) for x in (q, k, v, do))
-  ref = jflash.attention_numpy(qc, kc, vc, is_causal=causal, dout=doc, **{
-      k_: (np.asarray(v_) if hasattr(v_, "shape") else v_) for k_, v_ in extra.items()})
+  ref_extra = {k_: (np.asarray(v_, np.float64 if k_ == "bias" else None)
+                   if hasattr(v_, "shape") else v_)
+               for k_, v_ in extra.items() if k_ != "dropout_rng"}
+  if "dropout_rng" in extra:   # the reference takes the seed jflash derives from the key
+    ref_extra["dropout_seed"] = int(jflash.masks.seed_from_key(extra["dropout_rng"]))
+  ref = jflash.attention_numpy(qc, kc, vc, is_causal=causal, dout=doc, **ref_extra)
   ref = (ref[0], *ref[2:5])
   eps = float(jnp.finfo(dtype).eps)
   row = {"seq": seq, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name, "causal": causal,
@@ -100,6 +104,13 @@ def main(argv=None):
   extra = {"local_window_size": (256, 0), "segment_ids": jnp.asarray(seg, jnp.int32),
            "logits_soft_cap": 30.0}
   rows.append(check(args.seq, 128, jnp.bfloat16, True, args.heads, extra))
+  report(rows[-1])
+  # And one with a bias and dropout (hashed per element, so the transposed dK/dV tile
+  # must draw the same mask as the forward and dQ tiles).
+  bias = np.random.default_rng(1).standard_normal((1, args.heads, args.seq, args.seq))
+  extra = {"bias": jnp.asarray(bias, jnp.bfloat16), "dropout_rate": 0.1,
+           "dropout_rng": jax.random.PRNGKey(3)}
+  rows.append(check(args.seq, 64, jnp.bfloat16, True, args.heads, extra))
   report(rows[-1])
   path = write_result(args.name, vars(args), rows, out_dir=args.out_dir)
   bad = [r for r in rows if not r["ok"]]

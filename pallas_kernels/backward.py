@@ -24,25 +24,37 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.forward import mask_inputs, query_block_order
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores)
+                                    padded_operands, tile_scores, times)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
 def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, col0, masked,
-                kv_len, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads):
-  """(P~, dS, dS') of one tile: P~ feeds dV, dS the bias gradient, dS' feeds dQ and dK."""
-  s, t = tile_scores(q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
-                     col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg,
-                     mask_tile=mask_tile, bias_tile=bias_tile)
+                kv_len, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads,
+                transposed=False):
+  """(P~, dS, dS') of one tile: P~ feeds dV, dS the bias gradient, dS' feeds dQ and dK.
+
+  [bq, bk] tiles, or [bk, bq] with `transposed`: the dK/dV kernel computes S^T = K Q^T
+  directly, so P~^T and dS'^T enter its matmuls as they come out of the accumulator,
+  where transposing a computed register tile would cost a round trip through shared
+  memory per tile.
+  """
+  s, t, c = tile_scores(q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
+                        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg,
+                        mask_tile=mask_tile, bias_tile=bias_tile, transposed=transposed)
+  per_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
   # lse2 is +inf on rows with no visible key and on padded rows: P = 0 there.
-  p = jnp.exp2(s - lse2[:, None])
-  dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
+  p = jnp.exp2(times(s, c) - per_row(lse2))
+  if transposed:
+    dp = common.dot(v, do, trans_b=True, acc=acc, precision=precision)
+  else:
+    dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
   p_out = p
   if seed is not None:
-    z = dropout_scale(seed, batch, head, row0, col0, s.shape, opts.dropout_rate, num_heads)
+    z = dropout_scale(seed, batch, head, row0, col0, s.shape, opts.dropout_rate, num_heads,
+                      transposed=transposed)
     p_out = p * z
     dp = dp * z
-  ds = p * (dp - delta[:, None])
+  ds = p * (dp - per_row(delta))
   ds_logits = ds if t is None else ds * (1.0 - t * t)  # d(c tanh(x / c)) / dx
   return p_out, ds, ds_logits
 
@@ -71,14 +83,14 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
     rows = pl.ds(i * block_q, block_q)
     q = r["q"][rows, g, :]
     do = r["do"][rows, g, :]
-    p_out, _, ds = _tile_grads(
+    p_t, _, ds_t = _tile_grads(           # [bk, bq]: P~^T and dS'^T
         q, k, v, do, r["lse2"][g, rows], r["delta"][g, rows], opts=opts, scale=scale,
         acc=acc, precision=precision, row0=i * block_q, col0=j * block_k, masked=masked,
         kv_len=kv_len, q_seg=r["q_seg"][rows] if "q_seg" in r else None, kv_seg=kv_seg,
         mask_tile=dense("mask", rows, g), bias_tile=dense("bias", rows, g), seed=seed,
-        batch=b, head=h * group + g, num_heads=num_heads)
-    dv = dv + common.dot(p_out.astype(do.dtype).T, do, acc=acc, precision=precision)
-    dk = dk + common.dot(ds.astype(q.dtype).T, q, acc=acc, precision=precision)
+        batch=b, head=h * group + g, num_heads=num_heads, transposed=True)
+    dv = dv + common.dot(p_t.astype(do.dtype), do, acc=acc, precision=precision)
+    dk = dk + common.dot(ds_t.astype(q.dtype), q, acc=acc, precision=precision)
     return dk, dv
 
   carry = (dk, dv)
@@ -175,7 +187,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   acc = common.acc_dtype(q.dtype)
   precision = common.dot_precision(q.dtype)
   interp = common.use_interpret(interpret)
-  warps, stages = launch_params(H, blocks, backward=True)
 
   # -- preprocess: delta = rowsum(dO * O) (one fused XLA reduction), lse in base 2 with
   # +inf where a row saw no key so that exp2(s - lse2) = 0 there.
@@ -214,7 +225,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       ],
       out_shape=[jax.ShapeDtypeStruct((B, Sp, K, Hp), k.dtype),
                  jax.ShapeDtypeStruct((B, Sp, K, Hp), v.dtype)],
-      compiler_params=common.triton_params(warps, stages),
+      compiler_params=common.triton_params(*launch_params(H, blocks, "dkv")),
       interpret=interp,
       name="jflash_bwd_dkv",
   )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),
@@ -257,7 +268,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       ],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=common.triton_params(warps, stages),
+      compiler_params=common.triton_params(*launch_params(H, blocks, "dq")),
       interpret=interp,
       name="jflash_bwd_dq",
   )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),

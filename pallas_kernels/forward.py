@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores)
+                                    padded_operands, tile_scores, times)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -44,18 +44,18 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
     cols = pl.ds(j * block_k, block_k)
     k = r["k"][cols, :]
     v = r["v"][cols, :]
-    s, _ = tile_scores(
+    s, _, c = tile_scores(
         q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=i * block_q,
         col0=j * block_k, masked=masked, kv_len=kv_len, q_seg=q_seg,
         kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
         mask_tile=r["mask"][:, cols] if "mask" in r else None,
         bias_tile=r["bias"][:, cols] if "bias" in r else None)
-    # -- update m_i and l_i. A row with nothing visible yet has m = -inf; use 0 in its
-    # place so exp2 never sees (-inf) - (-inf).
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    # -- update m_i and l_i (base 2: the logits are s * c, c > 0). A row with nothing
+    # visible yet has m = -inf; use 0 in its place so exp2 never sees (-inf) - (-inf).
+    m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(acc)
     alpha = jnp.exp2(m_i - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
+    p = jnp.exp2(times(s, c) - m_safe[:, None])   # one fused multiply-subtract per element
     l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
     if seed is not None:                     # ...only kept ones reach the output
       p = p * dropout_scale(seed, b, n, i * block_q, j * block_k, s.shape,
@@ -130,7 +130,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   # masked in the last tile; padded query rows are computed and dropped.
   qp, kp, vp = common.pad_tiles(q, Tp, Hp), common.pad_tiles(k, Sp, Hp), common.pad_tiles(v, Sp, Hp)
   acc = common.acc_dtype(q.dtype)
-  warps, stages = launch_params(H, blocks, backward=False)
+  warps, stages = launch_params(H, blocks, "fwd")
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   qo = query_block_order(Tp // bq, opts)
   extra_names, extra_arrays, extra_specs = mask_inputs(

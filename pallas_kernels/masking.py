@@ -104,7 +104,11 @@ def dropout_keep_numpy(seed, B, N, T, S, rate):
 # -- element-wise rules -------------------------------------------------------------------
 
 def structured_keep(rows, cols, opts: MaskOptions, *, kv_len=None, q_seg=None, kv_seg=None):
-  """Visibility of (row, col) pairs under causal / window / length / segment rules."""
+  """Visibility of (row, col) pairs under causal / window / length / segment rules.
+
+  All arguments broadcast against each other: query positions `rows` and segment ids
+  `q_seg` lie along the tile's query axis, `cols` and `kv_seg` along its key axis.
+  """
   keep = None
 
   def both(a, b):
@@ -118,7 +122,7 @@ def structured_keep(rows, cols, opts: MaskOptions, *, kv_len=None, q_seg=None, k
   if kv_len is not None:
     keep = both(keep, cols < kv_len)
   if q_seg is not None:
-    keep = both(keep, q_seg[:, None] == kv_seg[None, :])
+    keep = both(keep, q_seg == kv_seg)
   return keep
 
 
@@ -196,46 +200,73 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
   return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), zeros], -1)
 
 
-def tile_mask_iota(row0, col0, shape):
-  rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-  cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-  return rows, cols
+def _along(x, axis):
+  """A [n] vector laid along `axis` of a 2-D tile."""
+  return x[None, :] if axis == 1 else x[:, None]
 
 
 # -- what a kernel does with a tile ----------------------------------------------------------
 
 def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, masked,
-                kv_len, q_seg=None, kv_seg=None, mask_tile=None, bias_tile=None):
-  """Base-2 logits of one [bq, bk] tile with every mask applied, and tanh of the soft
-  cap (for the backward) or None.
+                kv_len, q_seg=None, kv_seg=None, mask_tile=None, bias_tile=None,
+                transposed=False):
+  """Logits of one tile with every mask applied: (s, t, c).
 
-  `masked` is static: FULL tiles skip the element-wise structured rules entirely.
+  The base-2 logits are `s * c`. With no soft cap or bias, `s` is the raw Q K^T and
+  `c = scale * log2(e)` is left for the caller to fold into its one fused
+  multiply-subtract (`exp2(s * c - m)`): max and masking commute with a positive
+  factor, so no per-element multiply is spent here. Otherwise `s` is already in base 2
+  and c = 1. `t` is tanh of the soft cap (for the backward), else None.
+
+  The tile is [bq, bk], or [bk, bq] with `transposed` (the dK/dV kernel, which then
+  feeds P^T and dS^T to its matmuls without transposing a register tile). `mask_tile`
+  and `bias_tile` are always [bq, bk]. `masked` is static: FULL tiles skip the
+  element-wise structured rules entirely.
   """
   from pallas_kernels.common import LOG2E, dot
-  s = dot(q, k, trans_b=True, acc=acc, precision=precision) * scale
+  s = dot(k, q, trans_b=True, acc=acc, precision=precision) if transposed else \
+      dot(q, k, trans_b=True, acc=acc, precision=precision)
+  qa, ka = (1, 0) if transposed else (0, 1)   # the tile's query axis and key axis
+  tr = (lambda x: x.T) if transposed else (lambda x: x)
+  c = scale * LOG2E
   t = None
-  if opts.soft_cap is not None:
-    t = jnp.tanh(s / opts.soft_cap)
-    s = opts.soft_cap * t
-  if bias_tile is not None:
-    s = s + bias_tile.astype(acc)
-  s = s * LOG2E  # exp(x) = exp2(x log2 e): exp2 is the hardware instruction
+  if opts.soft_cap is not None or bias_tile is not None or not c > 0:
+    s = s * scale
+    if opts.soft_cap is not None:
+      t = jnp.tanh(s / opts.soft_cap)
+      s = opts.soft_cap * t
+    if bias_tile is not None:
+      s = s + tr(bias_tile).astype(acc)
+    s = s * LOG2E  # exp(x) = exp2(x log2 e): exp2 is the hardware instruction
+    c = 1.0
   keep = None
   if masked:
-    rows, cols = tile_mask_iota(row0, col0, s.shape)
-    keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+    rows = row0 + lax.broadcasted_iota(jnp.int32, s.shape, qa)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, s.shape, ka)
+    keep = structured_keep(rows, cols, opts, kv_len=kv_len,
+                           q_seg=None if q_seg is None else _along(q_seg, qa),
+                           kv_seg=None if kv_seg is None else _along(kv_seg, ka))
   if mask_tile is not None:
-    keep = mask_tile != 0 if keep is None else keep & (mask_tile != 0)
+    m = tr(mask_tile) != 0
+    keep = m if keep is None else keep & m
   if keep is not None:
     s = jnp.where(keep, s, -jnp.inf)
-  return s, t
+  return s, t, c
 
 
-def dropout_scale(seed, batch, head, row0, col0, shape, rate, num_heads):
-  """[bq, bk] multiplier Z / (1 - rate) of the hashed keep mask Z."""
-  bq, bk = shape
-  rows = row0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  cols = col0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+def times(x, c):
+  """x * c, with no multiply emitted for c = 1."""
+  return x if c == 1.0 else x * c
+
+
+def dropout_scale(seed, batch, head, row0, col0, shape, rate, num_heads, transposed=False):
+  """Multiplier Z / (1 - rate) of the hashed keep mask Z for a [bq, bk] tile
+  ([bk, bq] with `transposed`)."""
+  qa, ka = (1, 0) if transposed else (0, 1)
+  nq, nk = shape[qa], shape[ka]
+  iota = lambda n, axis: lax.broadcasted_iota(jnp.int32, (1, n) if axis else (n, 1), axis)
+  rows = row0 + iota(nq, qa)
+  cols = col0 + iota(nk, ka)
   key = dropout_row_key(seed, batch, head, rows, num_heads)
   keep = dropout_keep(key, cols, rate)
   return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)

@@ -14,8 +14,10 @@ class BlockSizes:
     block_q_dkv, block_k_dkv: the dK/dV kernel (grid over key blocks, loop over
       query blocks and the query heads of a GQA group).
     block_q_dq, block_k_dq: the dQ kernel (grid over query blocks, loop over keys).
-    num_warps, num_stages: Triton launch parameters (ignored in interpret mode);
-      None picks from the table.
+    num_warps, num_stages: Triton launch parameters of every kernel (ignored in
+      interpret mode); None picks from the table.
+    num_warps_dkv, num_stages_dkv, num_warps_dq, num_stages_dq: the same for one
+      backward kernel; they win over num_warps / num_stages.
   """
 
   block_q: int = 64
@@ -26,11 +28,15 @@ class BlockSizes:
   block_k_dq: int = 64
   num_warps: int | None = None
   num_stages: int | None = None
+  num_warps_dkv: int | None = None
+  num_stages_dkv: int | None = None
+  num_warps_dq: int | None = None
+  num_stages_dq: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       val = getattr(self, f.name)
-      if f.name in ("num_warps", "num_stages"):
+      if f.name.startswith(("num_warps", "num_stages")):
         if val is not None and (not isinstance(val, int) or val < 1):
           raise ValueError(f"{f.name}={val!r} must be a positive int or None")
         continue
@@ -41,19 +47,19 @@ class BlockSizes:
 
 # Defaults per padded head_dim, from the block sweep on one H200
 # (experiments/results/bench_attention_block_sweep_h200.json; notes in
-# experiments/results/tuning_notes.md):
-#   fwd: (block_q, block_k, num_warps, num_stages)
-#   bwd: (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps, num_stages)
+# experiments/results/tuning_notes.md). Each kernel's row is
+# (rows of Q, rows of K/V, num_warps, num_stages).
 # The backward prefers square 64 x 64 tiles with 4 warps: its tile holds P, dP and dS
 # at once, and larger tiles spill (128 x 128 with 8 warps ran 11% slower at d=128).
 # head_dim 16/32 follow 64 and 256 halves the tiles (neither swept).
-_TABLE = {
-    16: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
-    32: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
-    64: ((64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
-    128: ((128, 128, 8, 3), (64, 64, 64, 64, 4, 2)),
-    256: ((64, 64, 8, 2), (32, 32, 32, 32, 4, 2)),
+_TABLE = {  # head_dim: {kernel: (block_q, block_k, num_warps, num_stages)}
+    16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
+    32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
+    64: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
+    128: dict(fwd=(128, 128, 8, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
+    256: dict(fwd=(64, 64, 8, 2), dkv=(32, 32, 4, 2), dq=(32, 32, 4, 2)),
 }
+KERNELS = ("fwd", "dkv", "dq")
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -61,16 +67,24 @@ def padded_head_dim(head_dim: int) -> int:
   return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int) -> BlockSizes:
+def _row(head_dim: int):
   hp = padded_head_dim(head_dim)
   if hp not in _TABLE:
     raise NotImplementedError(f"head_dim={head_dim} (padded {hp}) > 256 has no tile table entry")
-  (bq, bk, _, _), (bq_dkv, bk_dkv, bq_dq, bk_dq, _, _) = _TABLE[hp]
-  return BlockSizes(bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq)
+  return _TABLE[hp]
 
 
-def launch_params(head_dim: int, blocks: BlockSizes, backward: bool) -> tuple[int, int]:
-  """(num_warps, num_stages) for a launch: explicit values win over the table."""
-  fwd, bwd = _TABLE[padded_head_dim(head_dim)]
-  row = bwd if backward else fwd
-  return blocks.num_warps or row[-2], blocks.num_stages or row[-1]
+def default_block_sizes(head_dim: int) -> BlockSizes:
+  row = _row(head_dim)
+  return BlockSizes(*row["fwd"][:2], *row["dkv"][:2], *row["dq"][:2])
+
+
+def launch_params(head_dim: int, blocks: BlockSizes, kernel: str) -> tuple[int, int]:
+  """(num_warps, num_stages) of one kernel ("fwd", "dkv" or "dq"): a per-kernel
+  BlockSizes value wins over num_warps / num_stages, which win over the table."""
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+  _, _, warps, stages = _row(head_dim)[kernel]
+  own = lambda name: getattr(blocks, f"{name}_{kernel}", None)  # noqa: E731
+  return (own("num_warps") or blocks.num_warps or warps,
+          own("num_stages") or blocks.num_stages or stages)

@@ -43,8 +43,13 @@ def test_quick_cpu_smoke(tmp_path):
 def test_block_sweep_cpu_smoke(tmp_path):
   out = _run(tmp_path, "--block-sweep")
   data = json.loads((tmp_path / "bench_attention_block_sweep_cpu_smoke.json").read_text())
-  assert {r["mode"] for r in data["rows"]} == {"fwd", "bwd"}
+  assert {(r["pass_"], r["mode"]) for r in data["rows"]} == {
+      ("fwd", "fwd"), ("dkv", "bwd"), ("dq", "bwd")}
   assert all(r["status"] == "ok" for r in data["rows"]), data["rows"]
   assert {(v["d"], v["causal"], v["pass_"]) for v in data["best"].values()} == {
-      (32, False, "fwd"), (32, False, "bwd")}
+      (32, False, "fwd"), (32, False, "dkv"), (32, False, "dq")}
+  # A candidate sets only its own kernel's fields; the others stay at jflash's table.
+  swept = [r for r in data["rows"] if r["pass_"] == "dq" and r["swept"] != "default"]
+  assert swept and all(r["block_sizes"]["num_warps_dq"] == 4 and r["block_sizes"]["num_warps"]
+                       is None for r in swept)
   assert "paste into pallas_kernels/tuning.py" in out
