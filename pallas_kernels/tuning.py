@@ -45,18 +45,20 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per padded head_dim, from the block sweep on one H200
-# (experiments/results/bench_attention_block_sweep_h200.json; notes in
-# experiments/results/tuning_notes.md). Each kernel's row is
+# Defaults per padded head_dim, from the per-kernel block sweep on one H200
+# (experiments/results/bench_attention_block_sweep_h200_d64.json and _d128.json; notes
+# in experiments/results/tuning_notes.md). Each kernel's row is
 # (rows of Q, rows of K/V, num_warps, num_stages).
-# The backward prefers square 64 x 64 tiles with 4 warps: its tile holds P, dP and dS
-# at once, and larger tiles spill (128 x 128 with 8 warps ran 11% slower at d=128).
-# head_dim 16/32 follow 64 and 256 halves the tiles (neither swept).
+# The dK/dV kernel prefers square 64 x 64 tiles with 4 warps: its tile holds P^T, dP^T
+# and dS^T at once, and wider key tiles spill at d=128 (32 x 128 ran at under half the
+# speed). The forward and dQ kernels keep one query tile resident and take 128 rows
+# with 8 warps at d=128. head_dim 16/32 follow 64 and 256 halves the tiles (neither
+# swept).
 _TABLE = {  # head_dim: {kernel: (block_q, block_k, num_warps, num_stages)}
-    16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
-    32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
-    64: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
-    128: dict(fwd=(128, 128, 8, 3), dkv=(64, 64, 4, 2), dq=(64, 64, 4, 2)),
+    16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
+    32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
+    64: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
+    128: dict(fwd=(128, 128, 8, 3), dkv=(64, 64, 4, 2), dq=(128, 64, 8, 3)),
     256: dict(fwd=(64, 64, 8, 2), dkv=(32, 32, 4, 2), dq=(32, 32, 4, 2)),
 }
 KERNELS = ("fwd", "dkv", "dq")

@@ -53,10 +53,27 @@ def test_bad_options_raise_value_error(kwargs, match):
     ({"block_q": 48}, r"block_q=48 must be a power of two >= 16"),
     ({"block_k_dq": 8}, r"block_k_dq=8 must be a power of two >= 16"),
     ({"num_warps": 0}, r"num_warps=0 must be a positive int"),
+    ({"num_stages_dq": 1.5}, r"num_stages_dq=1.5 must be a positive int"),
 ])
 def test_bad_block_sizes(kwargs, match):
   with pytest.raises(ValueError, match=match):
     jflash.BlockSizes(**kwargs)
+
+
+def test_launch_params_precedence():
+  """Per-kernel values win over num_warps/num_stages, which win over the table."""
+  from pallas_kernels.tuning import _TABLE, launch_params
+  table = {kernel: _TABLE[64][kernel][2:] for kernel in ("fwd", "dkv", "dq")}
+  plain = jflash.BlockSizes()
+  assert [launch_params(64, plain, kn) for kn in ("fwd", "dkv", "dq")] == list(table.values())
+  both = jflash.BlockSizes(num_warps=2, num_stages=5)
+  assert launch_params(48, both, "dkv") == (2, 5)  # 48 pads to 64
+  own = jflash.BlockSizes(num_warps=2, num_warps_dq=8, num_stages_dkv=1)
+  assert launch_params(64, own, "dq") == (8, table["dq"][1])
+  assert launch_params(64, own, "dkv") == (2, 1)
+  assert launch_params(64, own, "fwd") == (2, table["fwd"][1])
+  with pytest.raises(ValueError, match="kernel='bwd' is not one of"):
+    launch_params(64, plain, "bwd")
 
 
 def test_default_implementation_on_cpu():
