@@ -30,7 +30,7 @@ from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params
 
 def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, col0, masked,
                 kv_len, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads,
-                transposed=False):
+                fast_exp2, transposed=False):
   """(P~, dS, dS') of one tile: P~ feeds dV, dS the bias gradient, dS' feeds dQ and dK.
 
   [bq, bk] tiles, or [bk, bq] with `transposed`: the dK/dV kernel computes S^T = K Q^T
@@ -43,7 +43,7 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
                         mask_tile=mask_tile, bias_tile=bias_tile, transposed=transposed)
   per_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
   # lse2 is +inf on rows with no visible key and on padded rows: P = 0 there.
-  p = jnp.exp2(times(s, c) - per_row(lse2))
+  p = common.exp2(times(s, c) - per_row(lse2), fast_exp2)
   if transposed:
     dp = common.dot(v, do, trans_b=True, acc=acc, precision=precision)
   else:
@@ -60,7 +60,7 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
 
 
 def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, acc,
-                precision, head_blocked):
+                precision, head_blocked, fast_exp2):
   r = dict(zip(names, refs))
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k = r["k"][...]                                            # [bk, Hp]
@@ -88,7 +88,8 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
         acc=acc, precision=precision, row0=i * block_q, col0=j * block_k, masked=masked,
         kv_len=kv_len, q_seg=r["q_seg"][rows] if "q_seg" in r else None, kv_seg=kv_seg,
         mask_tile=dense("mask", rows, g), bias_tile=dense("bias", rows, g), seed=seed,
-        batch=b, head=h * group + g, num_heads=num_heads, transposed=True)
+        batch=b, head=h * group + g, num_heads=num_heads, fast_exp2=fast_exp2,
+        transposed=True)
     dv = dv + common.dot(p_t.astype(do.dtype), do, acc=acc, precision=precision)
     dk = dk + common.dot(ds_t.astype(q.dtype), q, acc=acc, precision=precision)
     return dk, dv
@@ -104,7 +105,7 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
 
 
 def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_heads, acc,
-               precision, q_order):
+               precision, q_order, fast_exp2):
   r = dict(zip(names, refs))
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]
@@ -128,7 +129,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_he
         kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
         mask_tile=r["mask"][:, cols] if "mask" in r else None,
         bias_tile=r["bias"][:, cols] if "bias" in r else None, seed=seed, batch=b, head=n,
-        num_heads=num_heads)
+        num_heads=num_heads, fast_exp2=fast_exp2)
     if "dbias" in r:
       r["dbias"][:, cols] = ds.astype(r["dbias"].dtype)
     return dq + common.dot(ds_logits.astype(k.dtype), k, acc=acc, precision=precision)
@@ -187,6 +188,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   acc = common.acc_dtype(q.dtype)
   precision = common.dot_precision(q.dtype)
   interp = common.use_interpret(interpret)
+  fast_exp2 = common.fast_exp2_enabled(interp)
 
   # -- preprocess: delta = rowsum(dO * O) (one fused XLA reduction), lse in base 2 with
   # +inf where a row saw no key so that exp2(s - lse2) = 0 there.
@@ -207,7 +209,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   dk, dv = pl.pallas_call(
       functools.partial(
           _dkv_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          group=G, num_heads=N, acc=acc, precision=precision, head_blocked=head_blocked),
+          group=G, num_heads=N, acc=acc, precision=precision, head_blocked=head_blocked,
+          fast_exp2=fast_exp2),
       grid=(Sp // bk, B, K),
       in_specs=[
           pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # q, the group
@@ -254,7 +257,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   res = pl.pallas_call(
       functools.partial(
           _dq_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision, q_order=qo),
+          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision, q_order=qo,
+          fast_exp2=fast_exp2),
       grid=(Tp // bq, B, N),
       in_specs=[
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),   # q

@@ -26,7 +26,7 @@ from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params
 
 
 def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_heads, acc,
-                precision, q_order):
+                precision, q_order, fast_exp2):
   r = dict(zip(names, refs))
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]                                           # [bq, Hp], stays resident
@@ -54,8 +54,8 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
     # visible yet has m = -inf; use 0 in its place so exp2 never sees (-inf) - (-inf).
     m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(acc)
-    alpha = jnp.exp2(m_i - m_safe)
-    p = jnp.exp2(times(s, c) - m_safe[:, None])   # one fused multiply-subtract per element
+    alpha = common.exp2(m_i - m_safe, fast_exp2)
+    p = common.exp2(times(s, c) - m_safe[:, None], fast_exp2)   # one fused multiply-subtract per element
     l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
     if seed is not None:                     # ...only kept ones reach the output
       p = p * dropout_scale(seed, b, n, i * block_q, j * block_k, s.shape,
@@ -138,7 +138,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   names = ["q", "k", "v", "ranges", *extra_names, "out", "lse"]
   kernel = functools.partial(
       _fwd_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype), q_order=qo)
+      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype), q_order=qo,
+      fast_exp2=common.fast_exp2_enabled(common.use_interpret(interpret)))
   out, lse = pl.pallas_call(
       kernel,
       grid=(Tp // bq, B, N),
