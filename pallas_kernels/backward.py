@@ -9,7 +9,8 @@ reading a stored [T, S] matrix (FlashAttention-2, Algorithm 2), with
 
 The dK/dV kernel runs over key blocks and loops over the query blocks *and the
 query heads of a GQA group*, so dK/dV of a shared key head are summed in registers
-without repeating K/V. The dQ kernel runs over query blocks and loops over key blocks.
+without repeating K/V. It works on the transposed tile S^T = K Q^T, so P~^T and dS'^T
+enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel runs over query blocks and loops over key blocks.
 Splitting them avoids atomics on dQ (FlashAttention-2, section 3.2).
 """
 from __future__ import annotations

@@ -117,6 +117,17 @@ class AttentionTestBase:
       for g, r in zip(got[1:], ref[2:]):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-12)
 
+  @pytest.mark.parametrize("scale", [0.0, -0.7, 2.5])
+  def test_any_finite_scale(self, scale):
+    # The kernels fold a positive scale into exp2's argument after taking the row max;
+    # zero and negative scales take the explicit multiply. Both exact in float64.
+    with jax.enable_x64(True):
+      q, k, v, do = random_qkv((1, 40, 37, 2, 2, 16), F64, seed=9)
+      ref = jflash.attention_numpy(q, k, v, scale=scale, is_causal=True, dout=do)
+      got = self.fwd_bwd(lambda *a: self.attn(*a, scale=scale, is_causal=True), q, k, v, do)
+      for g, r in zip(got, (ref[0], *ref[2:])):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-12)
+
   def test_lse_and_its_gradient(self):
     # lse is an output too: its cotangent folds into delta. Compared with autodiff of
     # the materialising implementation in float64.
