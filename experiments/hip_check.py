@@ -68,16 +68,6 @@ def parse_args():
   return ap.parse_args()
 
 
-def gpu_platform():
-  for p in ("cuda", "rocm"):
-    try:
-      if jax.devices(p):
-        return p
-    except (RuntimeError, ValueError):  # this jaxlib has no such backend
-      pass
-  return None
-
-
 def device_slug() -> str:
   kind = jax.devices()[0].device_kind.lower()
   kind = re.sub(r"\b(nvidia|amd|radeon|instinct)\b", "", kind)
@@ -300,7 +290,7 @@ def bandwidth_rows(args):
 
 def main():
   args = parse_args()
-  platform = gpu_platform()
+  platform = next(iter(hip_ffi.device_platforms()), None)
   if platform is None:
     print(f"hip_check: no CUDA or ROCm device (jax backend: {jax.default_backend()})",
           file=sys.stderr)

@@ -59,6 +59,19 @@ def register() -> tuple[str, ...]:
     return tuple(_registered)
 
 
+def device_platforms() -> tuple[str, ...]:
+  """The platforms of PLATFORMS with a device in this process ("cuda" before "rocm")."""
+  import jax
+  found = []
+  for platform in sorted(PLATFORMS):
+    try:
+      if jax.devices(platform):
+        found.append(platform)
+    except (RuntimeError, ValueError):  # this jaxlib has no such backend or device
+      pass
+  return tuple(found)
+
+
 def registered_platforms() -> tuple[str, ...]:
   return tuple(_registered)
 

@@ -42,17 +42,6 @@ def lowering_for(*platforms: str):
     _LOWERING_FOR.reset(token)
 
 
-def _device_platforms() -> set[str]:
-  found = set()
-  for p in hip_ffi.PLATFORMS:
-    try:
-      if jax.devices(p):
-        found.add(p)
-    except (RuntimeError, ValueError):  # this jaxlib has no such backend or device
-      pass
-  return found
-
-
 def _tile(q, cfg) -> int:
   """Row of the kernel's tile table: 0 by default, else the one matching block_sizes."""
   H = q.shape[-1]
@@ -89,7 +78,7 @@ def supports(q, k, v, cfg, extras=None) -> None:
   if not served:
     reasons = "; ".join(f"{p}: {r}" for p, r in hip_ffi.load_errors().items())
     raise NotImplementedError(f"no usable hip_ffi library ({reasons})")
-  here = _device_platforms() | _LOWERING_FOR.get()
+  here = set(hip_ffi.device_platforms()) | _LOWERING_FOR.get()
   if not served & here:
     raise NotImplementedError(
         f"the built library serves {sorted(served)} but this process has no such "
