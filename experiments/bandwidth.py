@@ -43,26 +43,20 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="auto = cpu on a CPU, gpu otherwise")
-  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  p = common.preset_parser(__doc__, PRESETS, "auto = cpu on a CPU, gpu otherwise")
   p.add_argument("--impls", default=None, help=f"labels from {list(IMPLEMENTATIONS)}")
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                  help="causal, as in decoder training")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out-dir", type=Path, default=common.RESULTS,
                  help="where the JSON goes (tests pass a tmp dir)")
-  for name, typ, why in [
+  common.add_preset_options(p, [
       ("seqs", str, "comma-separated sequence lengths"), ("batch", int, "batch"),
       ("heads", int, "heads"), ("head_dim", int, "head dim"),
       ("dtype", str, "input dtype (bf16 on GPU: the tensor-core path)"),
       ("copy_mb", int, "copy-ceiling array size; far above the last-level cache"),
       ("matmul_n", int, "matmul-ceiling size n (n x n @ n x n); large enough to saturate"),
-      ("iters", int, "timed repetitions after warm-up (median reported)")]:
-    p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                   help=why + " (default: preset)")
+      ("iters", int, "timed repetitions after warm-up (median reported)")])
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "gpu")
   return args

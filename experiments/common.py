@@ -1,6 +1,7 @@
 """Helpers shared by the experiment scripts: environment record, timing, memory, output."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -15,6 +16,23 @@ import jax
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def preset_parser(doc: str, presets: dict, preset_help: str) -> argparse.ArgumentParser:
+  """An experiment's parser, described by its docstring's first paragraph, with
+  --preset (auto or one of `presets`) and --tiny; see `apply_preset`."""
+  p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--preset", choices=["auto", *presets], default="auto", help=preset_help)
+  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  return p
+
+
+def add_preset_options(p: argparse.ArgumentParser, options):
+  """One --option per (name, type, why) whose default (None) comes from the preset."""
+  for name, typ, why in options:
+    p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
+                   help=why + " (default: preset)")
 
 
 def apply_preset(args, presets: dict, gpu_preset: str):

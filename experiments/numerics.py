@@ -49,15 +49,10 @@ IMPLS = {"jflash": None, "standard": "xla", "jax.nn": "jax.nn"}
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="auto = cpu on a CPU, gpu otherwise")
-  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
-  p.add_argument("--seqs", default=None, help="comma-separated lengths (default: preset)")
-  p.add_argument("--heads", type=int, default=None, help="heads (default: preset)")
-  p.add_argument("--head-dim", type=int, default=None, help="head dim (default: preset)")
-  p.add_argument("--dtypes", default=None, help="precisions under test (default: preset)")
+  p = common.preset_parser(__doc__, PRESETS, "auto = cpu on a CPU, gpu otherwise")
+  common.add_preset_options(p, [
+      ("seqs", str, "comma-separated lengths"), ("heads", int, "heads"),
+      ("head_dim", int, "head dim"), ("dtypes", str, "precisions under test")])
   p.add_argument("--inputs", default=",".join(INPUTS), help=f"input kinds from {INPUTS}")
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
                  help="full attention by default: every row then sums S terms, the worst case")

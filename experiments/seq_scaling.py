@@ -73,12 +73,9 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="size set; auto = cpu on a CPU, h200 on a GPU (sized for >=80 GB; "
-                      "smaller GPUs record more OOMs, which is still a valid result)")
-  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  p = common.preset_parser(
+      __doc__, PRESETS, "size set; auto = cpu on a CPU, h200 on a GPU (sized for >=80 GB; "
+                        "smaller GPUs record more OOMs, which is still a valid result)")
   p.add_argument("--parts", default="attention,lm", help="which parts to run")
   p.add_argument("--impls", default=None,
                  help=f"labels from {list(IMPLEMENTATIONS)}; default all available here "
@@ -94,7 +91,7 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out-dir", type=Path, default=common.RESULTS,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
-  for name, typ, why in [
+  common.add_preset_options(p, [
       ("batch", int, "attention batch"), ("heads", int, "query heads"),
       ("kv_heads", int, "key/value heads (GQA when fewer)"), ("head_dim", int, "head dim"),
       ("dtype", str, "attention input dtype (bf16 on GPU: what training uses)"),
@@ -114,9 +111,7 @@ def parse_args(argv=None):
       ("lm_long_standard_seqs", str, "long lengths where standard+remat is tried too, to "
                                      "record that it cannot (compile-only when over budget)"),
       ("lm_iters", int, "timed LM steps after 1 warm-up"),
-      ("lm_dtype", str, "LM compute dtype (params stay float32)")]:
-    p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                   help=why + " (default: from the preset)")
+      ("lm_dtype", str, "LM compute dtype (params stay float32)")])
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "h200")
   return args
@@ -151,6 +146,22 @@ def attention_flops(B, N, T, S, H, causal, passes):
   return f * (1.0 if passes == "fwd" else 3.5)
 
 
+def over_budget(row, mem, budget) -> bool:
+  """Marks `row` out of memory when its compiled program exceeds the budget."""
+  if budget is not None and mem.get("total_bytes", 0) > budget:
+    row.update(status="oom", error=f"compiled {human_bytes(mem['total_bytes'])} > "
+                                   f"budget {human_bytes(budget)}")
+    return True
+  return False
+
+
+def note_stop(stopped, key, row, what):
+  """After an oom or error, later (longer) sequences of the same series are skipped."""
+  if row["status"] in ("oom", "error"):
+    stopped[key] = f"{row['status']} at seq {row['seq']}"
+    tqdm.write(f"  {what}: {row['status']}: {row['error'][:160]}")
+
+
 # -- part 1: the attention op ----------------------------------------------------------
 
 def run_attention(args, labels, budget):
@@ -177,9 +188,8 @@ def run_attention(args, labels, budget):
     try:
       compiled, mem = compile_with_memory(jitted, *structs)
       row["memory"] = mem
-      if budget is not None and mem.get("total_bytes", 0) > budget:
-        row.update(status="oom", error=f"compiled {human_bytes(mem['total_bytes'])} > "
-                                       f"budget {human_bytes(budget)}")
+      if over_budget(row, mem, budget):
+        pass  # the row says oom; nothing is run
       elif T > args.time_max_seq:
         row.update(status="ok", timed=False)
       else:
@@ -191,9 +201,7 @@ def run_attention(args, labels, budget):
                    tflops=flops / med / 1e12)
     except Exception as e:  # recorded, see failure()
       row.update(failure(e))
-    if row["status"] in ("oom", "error"):
-      stopped[label, mode] = f"{row['status']} at seq {T}"
-      tqdm.write(f"  {label} {mode} T={T}: {row['status']}: {row['error'][:160]}")
+    note_stop(stopped, (label, mode), row, f"{label} {mode} T={T}")
     rows.append(row)
   return rows
 
@@ -238,10 +246,7 @@ def run_lm(args, labels, budget):
       w = jnp.ones((args.lm_batch, T), jnp.float32)
       compiled, mem = compile_with_memory(step, params, opt_state, tok, tok, w)
       row["memory"] = mem
-      if budget is not None and mem.get("total_bytes", 0) > budget:
-        row.update(status="oom", error=f"compiled {human_bytes(mem['total_bytes'])} > "
-                                       f"budget {human_bytes(budget)}")
-      else:
+      if not over_budget(row, mem, budget):
         state = [params, opt_state]
 
         def one_step():
@@ -255,9 +260,7 @@ def run_lm(args, labels, budget):
         del state
     except Exception as e:  # recorded, see failure()
       row.update(failure(e))
-    if row["status"] in ("oom", "error"):
-      stopped[label, remat] = f"{row['status']} at seq {T}"
-      tqdm.write(f"  lm {label} T={T}: {row['status']}: {row['error'][:160]}")
+    note_stop(stopped, (label, remat), row, f"lm {label} T={T}")
     rows.append(row)
   return rows
 

@@ -56,11 +56,7 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="auto = cpu on a CPU, h200 on a GPU")
-  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  p = common.preset_parser(__doc__, PRESETS, "auto = cpu on a CPU, h200 on a GPU")
   p.add_argument("--impls", default="standard,jflash",
                  help=f"labels from {list(IMPLEMENTATIONS)}; standard vs flash by default")
   p.add_argument("--text-paths", nargs="*", default=None,
@@ -74,7 +70,7 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0, help="same seed for every implementation")
   p.add_argument("--out-dir", type=Path, default=common.RESULTS,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
-  for name, typ, why in [
+  common.add_preset_options(p, [
       ("tasks", str, "comma-separated from copy, recall, text"), ("steps", int, "optimizer steps"),
       ("batch", int, "sequences per step"), ("seq", int, "tokens per sequence"),
       ("layers", int, "depth"), ("hidden", int, "width"), ("heads", int, "heads"),
@@ -82,9 +78,7 @@ def parse_args(argv=None):
       ("warmup", int, "linear warm-up steps"), ("eval_every", int, "steps between evals"),
       ("eval_batches", int, "batches per eval"),
       ("dtype", str, "compute dtype (params float32)"),
-      ("synthetic_vocab", int, "vocabulary of copy/recall (small: learnable in minutes)")]:
-    p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                   help=why + " (default: preset)")
+      ("synthetic_vocab", int, "vocabulary of copy/recall (small: learnable in minutes)")])
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="per-block jax.checkpoint (default: preset)")
   args = p.parse_args(argv)
