@@ -199,6 +199,26 @@ def _make_config(query, key, *, scale, is_causal, block_sizes, local_window_size
                          window=window, soft_cap=soft_cap, dropout_rate=float(dropout_rate))
 
 
+def segment_id_arrays(segment_ids, B, T, S):
+  """(q_ids [B, T], kv_ids [B, S]) int32 from an array (when T == S) or a pair; or
+  (None, None). ValueError names what is wrong."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be an array [B, T] (when T == S) or a pair "
+                       f"(q_ids [B, T], kv_ids [B, S]), got a sequence of {len(segment_ids)}")
+    q_seg, kv_seg = segment_ids
+  else:
+    if T != S:
+      raise ValueError(f"a single segment_ids array needs T == S (got T={T}, S={S}); "
+                       "pass (q_segment_ids, kv_segment_ids)")
+    q_seg = kv_seg = segment_ids
+  _check_int_array("q segment_ids", q_seg, (B, T))
+  _check_int_array("kv segment_ids", kv_seg, (B, S))
+  return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+
+
 def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_lengths,
                  segment_ids, dropout_rate, dropout_rng) -> MaskArrays | None:
   B, T, N, _ = query.shape
@@ -222,21 +242,7 @@ def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_len
       q_lens = jnp.asarray(x, jnp.int32)
     else:
       kv_lens = jnp.asarray(x, jnp.int32)
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    if isinstance(segment_ids, (tuple, list)):
-      if len(segment_ids) != 2:
-        raise ValueError("segment_ids must be an array [B, T] (when T == S) or a pair "
-                         f"(q_ids [B, T], kv_ids [B, S]), got a sequence of {len(segment_ids)}")
-      q_seg, kv_seg = segment_ids
-    else:
-      if T != S:
-        raise ValueError(f"a single segment_ids array needs T == S (got T={T}, S={S}); "
-                         "pass (q_segment_ids, kv_segment_ids)")
-      q_seg = kv_seg = segment_ids
-    _check_int_array("q segment_ids", q_seg, (B, T))
-    _check_int_array("kv segment_ids", kv_seg, (B, S))
-    q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+  q_seg, kv_seg = segment_id_arrays(segment_ids, B, T, S)
   seed = None
   if dropout_rate > 0:
     if dropout_rng is None:

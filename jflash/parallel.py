@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from collections.abc import Sequence
 
 import jax
@@ -416,40 +415,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # -- the public op ----------------------------------------------------------------
 
-def _config(query, *, scale, is_causal, block_sizes) -> api.AttentionConfig:
-  if scale is None:
-    scale = 1.0 / math.sqrt(query.shape[-1])
-  elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or (
-      not math.isfinite(scale)):
-    raise ValueError(f"scale must be a finite Python number or None, got {scale!r}")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-  if block_sizes is not None and not isinstance(block_sizes, api.BlockSizes):
-    raise ValueError(f"block_sizes must be a jflash.BlockSizes, got {block_sizes!r}")
-  return api.AttentionConfig(scale=float(scale), is_causal=bool(is_causal),
-                             block_sizes=block_sizes)
-
-
-def _segments(segment_ids, query, key):
-  """(q_ids [B, T/P], kv_ids [B, S/P]) int32 from an array (T == S) or a pair; or Nones."""
-  if segment_ids is None:
-    return None, None
-  B, T, S = query.shape[0], query.shape[1], key.shape[1]
-  if isinstance(segment_ids, (tuple, list)):
-    if len(segment_ids) != 2:
-      raise ValueError("segment_ids must be an array [B, T/P] or a pair (q_ids [B, T/P], "
-                       f"kv_ids [B, S/P]), got a sequence of {len(segment_ids)}")
-    q_seg, kv_seg = segment_ids
-  else:
-    q_seg = kv_seg = segment_ids
-  for name, x, n in (("q segment_ids", q_seg, T), ("kv segment_ids", kv_seg, S)):
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{name} must be an integer array, got {getattr(x, 'dtype', type(x))}")
-    if tuple(x.shape) != (B, n):
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be the local shard ({B}, {n})")
-  return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
-
-
 def _resolve(implementation, q, k, v, cfg, segments: bool) -> api.Implementation:
   """The first implementation that can run every block of this ring (api's
   `implementation=` rule: the next name is tried only on NotImplementedError)."""
@@ -519,9 +484,11 @@ def ring_attention(
     or `(out, lse)`.
   """
   api._check_inputs(query, key, value)
-  cfg = _config(query, scale=scale, is_causal=is_causal, block_sizes=block_sizes)
+  cfg = api._make_config(query, key, scale=scale, is_causal=is_causal, block_sizes=block_sizes)
   _check_layout(layout)
-  q_seg, kv_seg = _segments(segment_ids, query, key)
+  # Shard-local ids: T and S here are the local lengths T/P and S/P.
+  q_seg, kv_seg = api.segment_id_arrays(segment_ids, query.shape[0], query.shape[1],
+                                        key.shape[1])
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name={axis_name!r} must be the name (str) of one mesh axis")
   try:
