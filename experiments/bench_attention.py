@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 
 import jflash  # noqa: E402
 from experiments import common  # noqa: E402
-from pallas_kernels import tuning  # noqa: E402
+from pallas_kernels import common as kernel_common, tuning  # noqa: E402
 from pallas_kernels.tuning import default_block_sizes  # noqa: E402
 
 # -- the grid -----------------------------------------------------------------------
@@ -728,7 +728,7 @@ def config_record(args, extra=None) -> dict:
       reference_chain=list(reference_chain(args)), mha_blocks=MHA_BLOCKS,
       mgpu_configs=list(MGPU_CONFIGS),
       jflash_tile_table={str(d): row for d, row in tuning._TABLE.items()},
-      jflash_fast_exp2=os.environ.get("JFLASH_LIBDEVICE_EXP2", "0") == "0",
+      jflash_fast_exp2=kernel_common.fast_exp2_enabled(kernel_common.use_interpret(None)),
       flops="4*B*S^2*N*H, /2 when causal, x3.5 for fwd+bwd",
       timing=f"median of {args.rounds} rounds of back-to-back calls (>= {args.round_ms} ms each),"
              f" {args.input_sets} rotated input sets, block_until_ready / cuda.synchronize per round",

@@ -10,8 +10,9 @@ reading a stored [T, S] matrix (FlashAttention-2, Algorithm 2), with
 The dK/dV kernel runs over key blocks and loops over the query blocks *and the
 query heads of a GQA group*, so dK/dV of a shared key head are summed in registers
 without repeating K/V. It works on the transposed tile S^T = K Q^T, so P~^T and dS'^T
-enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel runs over query blocks and loops over key blocks.
-Splitting them avoids atomics on dQ (FlashAttention-2, section 3.2).
+enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel
+runs over query blocks and loops over key blocks. Splitting them avoids atomics on dQ
+(FlashAttention-2, section 3.2).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.forward import mask_inputs, query_block_order
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores, times)
+                                    padded_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -67,7 +68,6 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
   k = r["k"][...]                                            # [bk, Hp]
   v = r["v"][...]
   ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
   kv_len = ranges[5]
   kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
@@ -97,9 +97,7 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, a
 
   carry = (dk, dv)
   for g in range(group):  # static: the query heads that share this key head
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, g=g, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, g=g, masked=False), carry)
-    carry = lax.fori_loop(full_hi, hi, functools.partial(body, g=g, masked=True), carry)
+    carry = visit_tiles(ranges, functools.partial(body, g=g), carry)
   dk, dv = carry
   r["dk"][...] = (dk * scale).astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
@@ -114,8 +112,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_he
   lse2 = r["lse2"][...]
   delta = r["delta"][...]
   ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
-  kv_len = ranges[5]
+  lo, hi, kv_len = ranges[0], ranges[3], ranges[5]
   q_seg = r["q_seg"][...] if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   dq = jnp.zeros(q.shape, acc)
@@ -142,9 +139,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_he
       return _
     lax.fori_loop(0, lo, zero, 0)
     lax.fori_loop(hi, num_k_blocks, zero, 0)
-  dq = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), dq)
-  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), dq)
-  dq = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), dq)
+  dq = visit_tiles(ranges, body, dq)
   r["dq"][...] = (dq * scale).astype(r["dq"].dtype)
 
 

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores, times)
+                                    padded_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -31,7 +31,6 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]                                           # [bq, Hp], stays resident
   ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
   q_len, kv_len = ranges[4], ranges[5]
   q_seg = r["q_seg"][...] if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
@@ -55,7 +54,7 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
     m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(acc)
     alpha = common.exp2(m_i - m_safe, fast_exp2)
-    p = common.exp2(times(s, c) - m_safe[:, None], fast_exp2)   # one fused multiply-subtract per element
+    p = common.exp2(times(s, c) - m_safe[:, None], fast_exp2)  # one FMA per element
     l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
     if seed is not None:                     # ...only kept ones reach the output
       p = p * dropout_scale(seed, b, n, i * block_q, j * block_k, s.shape,
@@ -63,10 +62,7 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
     o = alpha[:, None] * o + common.dot(p.astype(v.dtype), v, acc=acc, precision=precision)
     return o, m_new, l_i
 
-  carry = (o, m_i, l_i)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  o, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+  o, m_i, l_i = visit_tiles(ranges, body, (o, m_i, l_i))
 
   # -- normalise once at the end (FlashAttention-2, section 3.1.1). A row that saw no
   # key, or lies past the query length, returns 0 and lse = -inf.

@@ -8,6 +8,7 @@ apply element-wise rules inside boundary tiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,16 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
       (B, n, 1))
   zeros = jnp.zeros((B, n, 2), jnp.int32)
   return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), zeros], -1)
+
+
+def visit_tiles(ranges, body, carry):
+  """Runs `body(j, carry, masked)` over one block's visited tiles (a row of
+  `build_ranges`): [lo, full_lo) and [full_hi, hi) with element-wise masks,
+  [full_lo, full_hi) without. Returns the final carry."""
+  lo, full_lo, full_hi, hi = ranges[0], ranges[1], ranges[2], ranges[3]
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def _along(x, axis):
