@@ -16,14 +16,10 @@ Writes results/numerics_<backend>.json and .png.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
 import functools
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +28,7 @@ from tqdm import tqdm
 
 import jflash
 from experiments import common
-from experiments.scaling_common import enable_x64, load_average, seq_axis, setup_matplotlib
+from experiments.scaling_common import load_average, seq_axis, setup_matplotlib
 
 PRESETS = {
     # 2 CPU cores: half-precision matmuls are emulated on CPU, so stop at 4K.
@@ -110,7 +106,7 @@ def main(argv=None):
       # Round the inputs to the dtype under test once; every reference sees the same
       # rounded values, so the errors below are the computation's alone.
       q, k, v = (jnp.asarray(x, dt) for x in (q64, k64, v64))
-      with enable_x64():
+      with jax.enable_x64(True):
         ref64 = np.asarray(attend_fn("xla_chunked", scale, args.causal)(
             *(x.astype(jnp.float64) for x in (q, k, v))))
       ref32 = np.asarray(attend_fn("xla", scale, args.causal)(

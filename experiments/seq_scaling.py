@@ -19,16 +19,12 @@ doubling. Writes results/seq_scaling_<backend>.json and .png.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
-import json
 import dataclasses
-import statistics
+import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +34,8 @@ from tqdm import tqdm
 import jflash
 from experiments import common
 from experiments.lm_common import init_model, make_optimizer, make_train_step
-from experiments.scaling_common import (attention_callable, compile_with_memory, failure,
-                                        human_bytes, labels_for_backend, load_average,
+from experiments.common import attention_flops, compile_with_memory, dense_pairs
+from experiments.scaling_common import (attention_callable, failure, human_bytes, labels_for_backend, load_average,
                                         memory_budget_bytes, random_arrays, seq_axis,
                                         setup_matplotlib, shape_struct, IMPLEMENTATIONS)
 from jflash.nn import LMConfig, lm_flops_per_token
@@ -125,27 +121,6 @@ def _seqs(start, stop):
   return out
 
 
-def _time_calls(fn, iters, budget_s):
-  """Median seconds of fn() after one warm-up call (compile is already done); fewer
-  repetitions when one call is slow, so a configuration costs about budget_s."""
-  t0 = time.perf_counter()
-  common.block(fn())
-  iters = max(1, min(iters, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    common.block(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), min(times)
-
-
-def attention_flops(B, N, T, S, H, causal, passes):
-  """4 B N T S H per forward (QK^T and PV), halved when causal; fwd+bwd is 3.5x the
-  forward (backward = 2.5x: dV, dP, dQ, dK plus the recomputed QK^T)."""
-  f = 4 * B * N * T * S * H * (0.5 if causal else 1.0)
-  return f * (1.0 if passes == "fwd" else 3.5)
-
-
 def over_budget(row, mem, budget) -> bool:
   """Marks `row` out of memory when its compiled program exceeds the budget."""
   if budget is not None and mem.get("total_bytes", 0) > budget:
@@ -194,11 +169,13 @@ def run_attention(args, labels, budget):
         row.update(status="ok", timed=False)
       else:
         arrays = random_arrays(args.seed + T, structs)
-        med, best = _time_calls(lambda: compiled(*arrays), args.iters, args.time_budget_s)
+        t = common.time_calls(lambda: compiled(*arrays), rounds=args.iters,
+                              budget_s=args.time_budget_s)
         del arrays
-        flops = attention_flops(args.batch, args.heads, T, T, args.head_dim, args.causal, mode)
-        row.update(status="ok", timed=True, median_s=med, min_s=best,
-                   tflops=flops / med / 1e12)
+        flops = attention_flops(args.batch, args.heads, args.head_dim,
+                                dense_pairs(T, T, args.causal), mode)
+        row.update(status="ok", timed=True, median_s=t["median_s"], min_s=t["min_s"],
+                   tflops=flops / t["median_s"] / 1e12)
     except Exception as e:  # recorded, see failure()
       row.update(failure(e))
     note_stop(stopped, (label, mode), row, f"{label} {mode} T={T}")
@@ -252,10 +229,11 @@ def run_lm(args, labels, budget):
         def one_step():
           state[0], state[1], loss = compiled(state[0], state[1], tok, tok, w)
           return loss
-        med, best = _time_calls(one_step, args.lm_iters, args.time_budget_s)
+        t = common.time_calls(one_step, rounds=args.lm_iters, budget_s=args.time_budget_s)
+        med = t["median_s"]
         loss = float(one_step())
         tokens = args.lm_batch * T
-        row.update(status="ok", median_s=med, min_s=best, tokens_per_s=tokens / med,
+        row.update(status="ok", median_s=med, min_s=t["min_s"], tokens_per_s=tokens / med,
                    loss=loss, model_tflops=lm_flops_per_token(cfg, T) * tokens / med / 1e12)
         del state
     except Exception as e:  # recorded, see failure()

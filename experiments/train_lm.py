@@ -15,16 +15,12 @@ Writes results/train_lm_<backend>.json and .png.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
 import dataclasses
 import hashlib
 import math
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
