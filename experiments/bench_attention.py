@@ -51,9 +51,8 @@ def make_runner(args, peers) -> Runner:
 
 
 def jflash_impls(args) -> list[str]:
-  if args.cpu_smoke:
-    return ["xla_chunked"]
-  return [n.strip() for n in args.jflash_impls.split(",") if n.strip()]
+  names = args.jflash_impls or ("xla_chunked" if args.cpu_smoke else ",".join(specs.JFLASH_IMPLS))
+  return [n.strip() for n in names.split(",") if n.strip()]
 
 
 def config_record(args, **extra) -> dict:
@@ -182,8 +181,9 @@ def parse_args(argv=None):
   p.add_argument("--impls", default=None,
                  help="comma-separated peer labels (jflash = every --jflash-impls)")
   p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch SDPA peers")
-  p.add_argument("--jflash-impls", default=",".join(specs.JFLASH_IMPLS),
-                 help="jflash implementations timed (the sweep: the first)")
+  p.add_argument("--jflash-impls", default=None,
+                 help="jflash implementations timed, comma-separated (default "
+                      f"{','.join(specs.JFLASH_IMPLS)}; --cpu-smoke: xla_chunked); the sweep: the first")
   p.add_argument("--seqs", type=int, nargs="+", default=None, help="--full: these seqs only")
   p.add_argument("--head-dims", type=int, nargs="+", default=None,
                  help="--full / --block-sweep: these head dims only")

@@ -31,7 +31,8 @@ def print_tables(rows, labels):
   cells = by_cell(rows)
   w = {n: max(8, len(n)) + 2 for n in labels}
   kw = max([len(k) for k, _ in cells] + [4])
-  print(f"\nTF/s ({rows[0]['dtype'] if rows else ''}; jax_mgpu fp16). "
+  dtypes = ",".join(sorted({r["dtype"] for r in rows if r.get("dtype")}))
+  print(f"\nTF/s ({dtypes}; jax_mgpu fp16). "
         f"err/WRONG/skip/n/a: see the JSON rows' 'error'.", flush=True)
   print(f"{'case':{kw}} {'mode':>8} " + "".join(f"{n:>{w[n]}}" for n in labels))
   for (key, mode), c in cells.items():
