@@ -10,7 +10,7 @@ For each sequence length and implementation, forward and forward+backward:
                         ceiling would be memory-bound, one far below it is not;
   achieved TF/s       = attention FLOPs (4 B N T S H, halved when causal; x3.5 for
                         fwd+bwd) / time, as a fraction of the matmul ceiling.
-Writes results/bandwidth_<backend>.json.
+Writes <out-dir>/bandwidth_<backend>.json (see common.DEFAULT_OUT).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def parse_args(argv=None):
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                  help="causal, as in decoder training")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON goes (tests pass a tmp dir)")
   common.add_preset_options(p, [
       ("seqs", str, "comma-separated sequence lengths"), ("batch", int, "batch"),

@@ -173,7 +173,8 @@ def parse_args(argv=None):
                     help="result JSONs to join: targets and tables over all their rows")
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny shapes on the CPU, jflash 'xla_chunked' against 'xla' (for tests)")
-  p.add_argument("--out-dir", default=str(common.RESULTS), help="where the JSON goes")
+  p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
+                 help="where the JSON goes (experiments/results: the committed results)")
   p.add_argument("--name", default=None, help="JSON file stem (default bench_attention_<device>"
                  " / bench_attention_block_sweep_<device>; --report: none, print only)")
   p.add_argument("--merge", action="store_true",

@@ -222,7 +222,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny shapes on the CPU, jflash 'xla_chunked' against 'xla' (for tests)")
-  p.add_argument("--out-dir", default=str(common.RESULTS), help="where the JSON goes")
+  p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
+                 help="where the JSON goes (experiments/results: the committed results)")
   p.add_argument("--name", default=None, help="JSON file stem (default bench_masks_<device>)")
   p.add_argument("--kinds", default="causal,window,docs", help="comma-separated subset")
   p.add_argument("--seqs", type=int, nargs="+", default=None, help="these seqs only")

@@ -17,7 +17,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+# The committed results; a run writes them only when told to (--out-dir
+# experiments/results). By default results go to results/local/, which git ignores, so
+# trying a script never changes the tree.
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "local"
 
 
 def preset_parser(doc: str, presets: dict, preset_help: str) -> argparse.ArgumentParser:
@@ -203,8 +207,9 @@ def is_oom(err: BaseException) -> bool:
 
 
 def write_result(name: str, config, rows, extra: dict | None = None, out_dir: Path | None = None) -> Path:
-  """Writes `{environment, config, rows, ...}` as JSON to results/<name>.json."""
-  out_dir = Path(out_dir) if out_dir else RESULTS
+  """Writes `{environment, config, rows, ...}` as JSON to <out_dir>/<name>.json
+  (default DEFAULT_OUT)."""
+  out_dir = Path(out_dir) if out_dir else DEFAULT_OUT
   out_dir.mkdir(parents=True, exist_ok=True)
   if dataclasses.is_dataclass(config):
     config = dataclasses.asdict(config)

@@ -12,7 +12,7 @@ Inputs (B=1, --heads heads, head_dim --head-dim):
 Every output is compared, in float64, with (a) standard attention in float32 and (b)
 attention in float64 (jflash xla_chunked with x64 enabled), on the same half-precision
 inputs upcast, so only the computation's error is measured, not the input rounding.
-Writes results/numerics_<backend>.json and .png.
+Writes <out-dir>/numerics_<backend>.json and .png (see common.DEFAULT_OUT).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def parse_args(argv=None):
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
                  help="full attention by default: every row then sums S terms, the worst case")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "gpu")

@@ -21,7 +21,7 @@ order, attention = `jflash.parallel.ring_attention`). Reported per length:
 CPU "devices" here share one host's memory and cores, so times say nothing about
 real interconnects; memory and bytes are what this script is for.
 
-  python -m experiments.ring_memory            # writes results/ring_memory_cpu.json
+  python -m experiments.ring_memory --out-dir experiments/results   # ring_memory_cpu.json
 """
 from __future__ import annotations
 
@@ -74,7 +74,9 @@ def parse_args(argv=None):
                       "[T, block_k] tile is kept); off by default because unrolled blocks "
                       "compile to less temporary memory here (measured unsharded at "
                       "T=8192: 213 MiB unrolled, 292 MiB scanned)")
-  p.add_argument("--out", default="ring_memory_cpu", help="results/<out>.json")
+  p.add_argument("--out", default="ring_memory_cpu", help="<out-dir>/<out>.json")
+  p.add_argument("--out-dir", default=None,
+                 help="default experiments/results/local; experiments/results: the committed one")
   return p.parse_args(argv)
 
 
@@ -254,7 +256,7 @@ def main(argv=None):
                                "scan bodies times their length; ppermute = the ring, "
                                "psum = the replicated parameters' gradient all-reduce",
   }
-  path = write_result(args.out, cfg, rows, extra={"notes": notes})
+  path = write_result(args.out, cfg, rows, extra={"notes": notes}, out_dir=args.out_dir)
   print(f"wrote {path}")
 
 

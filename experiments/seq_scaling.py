@@ -12,10 +12,10 @@ Two parts, each doubling the sequence length:
 An out-of-memory is a result, not a crash: a compile or run that fails with
 RESOURCE_EXHAUSTED, or a compiled program larger than the memory budget (the device's
 bytes_limit; host RAM on a CPU), is recorded as "oom" and that implementation stops
-doubling. Writes results/seq_scaling_<backend>.json and .png.
+doubling. Writes <out-dir>/seq_scaling_<backend>.json and .png (see common.DEFAULT_OUT).
 
-  python experiments/seq_scaling.py                  # CPU default: ~2-3 minutes
-  python experiments/seq_scaling.py --preset h200    # GPU table, ~4 minutes on an H200
+  python -m experiments.seq_scaling                  # CPU default (make demo)
+  python -m experiments.seq_scaling --preset h200    # GPU table, ~4 minutes on an H200
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def parse_args(argv=None):
                  help="rough seconds of timed calls per configuration: slow ones get "
                       "fewer repetitions (at least one after warm-up)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
   common.add_preset_options(p, [
       ("batch", int, "attention batch"), ("heads", int, "query heads"),
@@ -265,6 +265,34 @@ def summarize(rows):
 
 
 def print_summary(rows):
+  print_attention(rows)
+  print_lm(rows)
+
+
+def _cell(r) -> str:
+  if r is None:
+    return ""
+  if r["status"] != "ok":
+    return r["status"].upper()
+  mem = human_bytes(r["memory"]["total_bytes"])
+  return f"{mem}, {r['median_s'] * 1e3:.1f} ms" if r.get("timed") else f"{mem} (not timed)"
+
+
+def print_attention(rows):
+  att = [r for r in rows if r["part"] == "attention"]
+  if not att:
+    return
+  seqs = sorted({r["seq"] for r in att})
+  keys = list(dict.fromkeys((r["impl"], r["mode"]) for r in att))
+  print("\nAttention op: compiled memory / median time per call")
+  print("| impl | mode | " + " | ".join(str(T) for T in seqs) + " |")
+  print("|---" * (len(seqs) + 2) + "|")
+  for impl, mode in keys:
+    by = {r["seq"]: r for r in att if r["impl"] == impl and r["mode"] == mode}
+    print(f"| {impl} | {mode} | " + " | ".join(_cell(by.get(T)) for T in seqs) + " |")
+
+
+def print_lm(rows):
   lm = [r for r in rows if r["part"] == "lm"]
   if not lm:
     return
@@ -391,7 +419,7 @@ def main(argv=None):
   if argv is None:
     argv = sys.argv[1:]
   if argv and argv[0] == "--combine":
-    out_dir = common.RESULTS
+    out_dir = common.DEFAULT_OUT
     if "--out-dir" in argv:
       i = argv.index("--out-dir")
       out_dir, argv = argv[i + 1], argv[:i] + argv[i + 2:]
