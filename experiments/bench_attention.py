@@ -115,7 +115,7 @@ def run_grid(args):
     save(rows)
   mem = None
   if not args.skip_memory:
-    mem_labels = [n for n in labels if n.startswith("jflash:")][:1] + [
+    mem_labels = [f"jflash:{jflash_impls(args)[0]}"] + [
         n for n in specs.MEMORY_PEERS[1:] if n in peers]
     heads, d = specs.MEMORY_HEADS["smoke" if args.cpu_smoke else "gpu"]
     mem = memory_rows(peers, mem_labels, specs.MEMORY_SEQS[memory], heads, d, args.dtype,
@@ -147,16 +147,21 @@ def run_block_sweep(args):
 
 def run_report(args):
   """Joins result JSONs of split runs, evaluates the targets over all rows, prints."""
-  rows, resolved = report.load_rows(args.report)
+  rows, resolved, mem = report.load_rows(args.report)
   baseline = report.load_rows([args.baseline])[0] if Path(args.baseline).exists() else None
   labels = list(dict.fromkeys(r.get("peer", r["impl"]) for r in rows))
-  targets = report.evaluate_targets(rows, resolved, None, baseline)
+  mem_summary = report.memory_summary(mem) if mem else None
+  targets = report.evaluate_targets(rows, resolved, mem_summary, baseline)
   report.print_tables(rows, labels)
+  if mem:
+    report.print_memory(mem)
   report.print_targets(targets)
   report.print_summary(rows, [n for n in labels if n.startswith("jflash:")] + ["cudnn"], resolved)
   if args.name:
-    path = report.save(args.name, config_record(args), rows, args.out_dir,
-                       {"resolved": resolved, "targets": targets, "joined": args.report})
+    extra = {"resolved": resolved, "targets": targets, "joined": args.report}
+    if mem:
+      extra.update(memory=mem, memory_summary=mem_summary)
+    path = report.save(args.name, config_record(args), rows, args.out_dir, extra)
     common.log(f"wrote {path}")
 
 

@@ -218,5 +218,8 @@ def write_result(name: str, config, rows, extra: dict | None = None, out_dir: Pa
   payload = {"environment": environment(), "config": config, "argv": sys.argv, "rows": rows}
   payload.update(extra or {})
   path = out_dir / f"{name}.json"
-  path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  # Written whole, then renamed: a run killed mid-write leaves the previous file intact.
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  os.replace(tmp, path)
   return path

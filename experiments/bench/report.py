@@ -55,25 +55,27 @@ def print_tables(rows, labels):
 
 
 def print_summary(rows, labels, resolved=None):
-  """The short table: per case and peer, TF/s fwd and fwd+bwd, first call of fwd+bwd
-  (compile included) and its compiled temporaries."""
+  """The short table, one line per case: per peer TF/s of fwd and fwd+bwd, the first
+  call of fwd+bwd in seconds (compile included) and its compiled temporaries in MiB;
+  then what implementation=None resolves to."""
   cases = {}
   for r in rows:
-    if r.get("peer", r["impl"]) in labels:
-      cases.setdefault((r["key"], r.get("case") or r["key"]), {})[
-          (r.get("peer", r["impl"]), r["mode"])] = r
-  print("\nSummary: TF/s fwd | fwd+bwd | first call of fwd+bwd s | its temp MiB", flush=True)
+    cases.setdefault((r["key"], r.get("case") or r["key"]), {})[
+        (r.get("peer", r["impl"]), r["mode"])] = r
+  labels = [n for n in labels if any((n, m) in c for c in cases.values() for m in specs.MODES)]
+  kw = max([len(name) for _, name in cases] + [4])
+
+  def cell(f, b):
+    first = b and b.get("first_call_s")
+    temp = b and b.get("temp_mib")
+    return (f"{_tf(f):>6} {_tf(b):>6} {'-' if first is None else f'{first:.1f}':>5}"
+            f" {'-' if temp is None else f'{temp:.0f}':>5}")
+  print(f"\nSummary per peer: TF/s fwd, fwd+bwd | first call of fwd+bwd (s) | its temp (MiB)",
+        flush=True)
+  print(f"{'case':{kw}} " + " | ".join(f"{n[:26]:^26}" for n in labels) + " | None ->")
   for (key, name), c in cases.items():
-    res = (resolved or {}).get(key)
-    print(f"{name} ({key})" + (f"  implementation=None -> {res}" if res else ""))
-    for n in labels:
-      f, b = c.get((n, "fwd")), c.get((n, "fwd+bwd"))
-      if f is None and b is None:
-        continue
-      first = b.get("first_call_s") if b else None
-      temp = b.get("temp_mib") if b else None
-      print(f"    {n:22s} {_tf(f):>8} {_tf(b):>8} {'-' if first is None else f'{first:.1f}':>7}"
-            f" {'-' if temp is None else f'{temp:.1f}':>9}", flush=True)
+    line = " | ".join(cell(c.get((n, "fwd")), c.get((n, "fwd+bwd"))) for n in labels)
+    print(f"{name:{kw}} {line} | {(resolved or {}).get(key, '-')}", flush=True)
 
 
 def memory_summary(mem_rows) -> dict:
@@ -199,14 +201,16 @@ def save(name, config, rows, out_dir, extra=None, merge=False) -> Path:
   return common.write_result(name, config, rows, extra=extra, out_dir=out_dir)
 
 
-def load_rows(paths) -> tuple[list, dict]:
-  """Rows and "resolved" of several result JSONs, later files winning on the same row."""
-  rows, resolved = [], {}
+def load_rows(paths) -> tuple[list, dict, list]:
+  """Rows, "resolved" and "memory" of several result JSONs, later files winning on the
+  same row."""
+  rows, resolved, memory = [], {}, []
   for p in paths:
     data = json.loads(Path(p).read_text())
     rows = _merge_rows(rows, data.get("rows", []))
     resolved.update(data.get("resolved", {}))
-  return rows, resolved
+    memory += data.get("memory", [])
+  return rows, resolved, memory
 
 
 def _merge_rows(old, new):
