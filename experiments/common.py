@@ -17,9 +17,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-# The committed results; a run writes them only when told to (--out-dir
-# experiments/results). By default results go to results/local/, which git ignores, so
-# trying a script never changes the tree.
+# The committed results. The scripts' --out-dir defaults to results/local/, which git
+# ignores, so trying a script never changes the tree; --out-dir experiments/results
+# refreshes the committed files.
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "local"
 
@@ -207,9 +207,10 @@ def is_oom(err: BaseException) -> bool:
 
 
 def write_result(name: str, config, rows, extra: dict | None = None, out_dir: Path | None = None) -> Path:
-  """Writes `{environment, config, rows, ...}` as JSON to <out_dir>/<name>.json
-  (default DEFAULT_OUT)."""
-  out_dir = Path(out_dir) if out_dir else DEFAULT_OUT
+  """Writes `{environment, config, rows, ...}` as JSON to <out_dir>/<name>.json. The
+  scripts' --out-dir defaults to DEFAULT_OUT; without one (the GPU check scripts, whose
+  results are committed as they come from the device) it is RESULTS."""
+  out_dir = Path(out_dir) if out_dir else RESULTS
   out_dir.mkdir(parents=True, exist_ok=True)
   if dataclasses.is_dataclass(config):
     config = dataclasses.asdict(config)

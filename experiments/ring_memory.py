@@ -44,6 +44,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec  # noqa: E402
 
+from experiments import common  # noqa: E402
 from experiments.common import block, compiled_memory, write_result  # noqa: E402
 from jflash import parallel  # noqa: E402
 from jflash.nn import DecoderLM, LMConfig  # noqa: E402
@@ -75,7 +76,7 @@ def parse_args(argv=None):
                       "compile to less temporary memory here (measured unsharded at "
                       "T=8192: 213 MiB unrolled, 292 MiB scanned)")
   p.add_argument("--out", default="ring_memory_cpu", help="<out-dir>/<out>.json")
-  p.add_argument("--out-dir", default=None,
+  p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="default experiments/results/local; experiments/results: the committed one")
   return p.parse_args(argv)
 

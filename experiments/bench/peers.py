@@ -182,12 +182,13 @@ def _torch_variants(backend):
     torch = torch_module()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    gqa = case.k_heads != case.heads
+    # enable_gqa exists from torch 2.5 on; passed only where the heads differ.
+    gqa = {"enable_gqa": True} if case.k_heads != case.heads else {}
 
     def attn(q, k, v):  # BNSH, PyTorch's own layout (inputs transposed outside the timed call)
       with sdpa_kernel([chosen]):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=case.causal, scale=case.scale, enable_gqa=gqa)
+            q, k, v, is_causal=case.causal, scale=case.scale, **gqa)
     return [(backend, attn)]
   return variants
 

@@ -2,7 +2,6 @@
 
 A `Case` is one attention shape; a grid is a tuple of cases; a target is a rule a
 measured row must meet, evaluated by `experiments.bench.report.evaluate_targets`.
-Nothing here imports jax.
 """
 from __future__ import annotations
 
