@@ -82,9 +82,10 @@ def grid_cases(args) -> list:
 
 
 def run_grid(args):
-  peers = peers_mod.make_peers(jflash_impls(args), args.xla_max_seq, smoke=args.cpu_smoke)
-  timed = [p.label for p in peers.values()
-           if p.label != "jflash:xla_chunked" or args.cpu_smoke]
+  impls = jflash_impls(args)
+  peers = peers_mod.make_peers(impls, args.xla_max_seq, smoke=args.cpu_smoke)
+  # jflash "xla_chunked" is the reference of last resort, timed only when asked for.
+  timed = [p.label for p in peers.values() if p.name != "jflash" or p.implementation in impls]
   if args.no_torch:
     timed = [n for n in timed if peers[n].framework != "torch"]
   labels = peers_mod.select(peers, args.impls, timed)
@@ -115,7 +116,7 @@ def run_grid(args):
     save(rows)
   mem = None
   if not args.skip_memory:
-    mem_labels = [f"jflash:{jflash_impls(args)[0]}"] + [
+    mem_labels = [f"jflash:{impls[0]}"] + [
         n for n in specs.MEMORY_PEERS[1:] if n in peers]
     heads, d = specs.MEMORY_HEADS["smoke" if args.cpu_smoke else "gpu"]
     mem = memory_rows(peers, mem_labels, specs.MEMORY_SEQS[memory], heads, d, args.dtype,
