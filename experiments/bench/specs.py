@@ -84,8 +84,9 @@ GRIDS = {
     "full": FA2_FULL,
     "d256": D256,
     "model": MODEL,
-    # CPU smoke: compile time is the cost there, so one tiny case.
-    "smoke": (Case(128, 32, True, 2, 2, name="smoke"),),
+    # CPU smoke: compile time is the cost there, so two tiny cases (MHA, GQA).
+    "smoke": (Case(128, 32, True, 2, 2, name="smoke"),
+              Case(128, 32, False, 1, 4, 2, name="smoke GQA 4/2")),
 }
 
 # -- compiled memory of fwd+bwd against the sequence (batch 1, 16 x 128) -------------
