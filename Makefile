@@ -13,8 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# Results go to experiments/results/local/ (git-ignored): the committed ones change only
+# with --out-dir experiments/results.
 demo: setup
-	$(PY) experiments/seq_scaling.py
+	$(PY) -m experiments.seq_scaling $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -10,17 +10,13 @@ For each sequence length and implementation, forward and forward+backward:
                         ceiling would be memory-bound, one far below it is not;
   achieved TF/s       = attention FLOPs (4 B N T S H, halved when causal; x3.5 for
                         fwd+bwd) / time, as a fraction of the matmul ceiling.
-Writes results/bandwidth_<backend>.json.
+Writes <out-dir>/bandwidth_<backend>.json (see common.DEFAULT_OUT).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +26,6 @@ from experiments import common
 from experiments.scaling_common import (attention_callable, failure, labels_for_backend,
                                         load_average, random_arrays, shape_struct,
                                         IMPLEMENTATIONS)
-from experiments.seq_scaling import attention_flops
 
 PRESETS = {
     "cpu": dict(seqs="512,1024,2048", batch=1, heads=4, head_dim=64, dtype="float32",
@@ -48,7 +43,7 @@ def parse_args(argv=None):
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                  help="causal, as in decoder training")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON goes (tests pass a tmp dir)")
   common.add_preset_options(p, [
       ("seqs", str, "comma-separated sequence lengths"), ("batch", int, "batch"),
@@ -103,7 +98,8 @@ def main(argv=None):
                    io_bytes=nbytes)
         try:
           t = common.time_fn(fn, *fargs, warmup=1, iters=args.iters)
-          flops = attention_flops(args.batch, args.heads, T, T, args.head_dim, args.causal, mode)
+          flops = common.attention_flops(args.batch, args.heads, args.head_dim,
+                                         common.dense_pairs(T, T, args.causal), mode)
           gbs = nbytes / t["median_s"] / 1e9
           tfs = flops / t["median_s"] / 1e12
           row.update(status="ok", median_s=t["median_s"], effective_GBps=gbs, TFps=tfs,

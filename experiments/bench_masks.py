@@ -1,4 +1,4 @@
-"""Speed of jflash's structured masks on the H200 against cuDNN and XLA (issue 3).
+"""Speed of jflash's structured masks against cuDNN and XLA.
 
 Three kinds of self-attention, all causal, bf16, 16 heads x d=128, batch * seq = 16K
 tokens (FA-2 grid convention), forward and forward + backward:
@@ -6,24 +6,22 @@ tokens (FA-2 grid convention), forward and forward + backward:
   window   causal sliding window of W keys to the left: (W, 0) in jax.nn semantics
   docs     packed documents: causal within each of n documents of random lengths
 
-Peers (jax.nn.dot_product_attention; each checked against the reference before it
-is timed, a wrong one is not timed):
-  jflash   jflash.attention(implementation="pallas"): is_causal, local_window_size,
+Peers (each checked against the reference before it is timed, a wrong one is not timed):
+  jflash   jflash.attention(implementation=--jflash-impl): is_causal, local_window_size,
            segment_ids; masked tiles are skipped
-  cudnn    implementation="cudnn": is_causal, local_window_size=(W, 0) (cuDNN's
+  cudnn    jax.nn implementation="cudnn": is_causal, local_window_size=(W, 0) (cuDNN's
            sliding_window_length = W + 1); jax.nn has no segment ids, so "docs" passes
            the [B, 1, T, S] bool mask built in the call from the ids (cuDNN then adds it
            as a bias and skips nothing)
-  xla      implementation="xla", the materialising baseline, seq <= --xla-max-seq
-Reference: cudnn, else xla, else jflash "xla_chunked" (bench_attention's chain).
+  xla      jax.nn implementation="xla", the materialising baseline, seq <= --xla-max-seq
+Reference: cudnn, else xla, else jflash "xla_chunked" (experiments/bench/specs.py).
 
-FLOPs count only the visible (query, key) pairs, 4 * B * N * d * pairs, x3.5 for
-forward + backward (FA-2 convention), so TF/s compare the useful work; the skipped
-fraction of each case is in the JSON ("visible_fraction", "jflash_tile_fraction").
-Timing, correctness gate and peers' machinery come from experiments/bench_attention.py.
+FLOPs count only the visible (query, key) pairs (experiments.common.attention_flops), so
+TF/s compare the useful work; the skipped fraction of each case is in the JSON
+("visible_fraction", "jflash_tile_fraction"). Checking and timing: experiments/bench/runner.py.
 
-  python experiments/bench_masks.py               # H200: < 3 minutes, JSON in experiments/results/
-  python experiments/bench_masks.py --cpu-smoke   # tiny, CPU, "xla_chunked" against "xla" (tests)
+  python -m experiments.bench_masks               # H200: < 3 minutes
+  python -m experiments.bench_masks --cpu-smoke   # tiny, CPU, "xla_chunked" against "xla" (tests)
 
 Results: <out-dir>/bench_masks_<device>.json: rows {impl, kind, s, window, docs, mode,
 ms, tflops, rel_err, status, ...}, "ratios" (peer ms / jflash ms: > 1 means jflash
@@ -36,12 +34,7 @@ import dataclasses
 import functools
 import os
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))  # run as a script: `experiments` and `jflash` from this checkout
 if "--cpu-smoke" in sys.argv:
   os.environ["JAX_PLATFORMS"] = "cpu"  # must precede `import jax`; the smoke run never touches a GPU
 
@@ -49,12 +42,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jflash  # noqa: E402
-from experiments import bench_attention as ba  # noqa: E402
 from experiments import common  # noqa: E402
-from jflash.masks import MaskArrays, tile_classes, visited_tiles  # noqa: E402
-from pallas_kernels.masking import MaskOptions  # noqa: E402
-from pallas_kernels.tuning import default_block_sizes  # noqa: E402
+from experiments.bench import report, specs  # noqa: E402
+from experiments.bench.peers import Peer, jflash_call, jflash_peer, select  # noqa: E402
+from experiments.bench.runner import Runner  # noqa: E402
+from experiments.bench.specs import Case  # noqa: E402
 
 TOKENS = 16384          # batch * seq held constant, as bench_attention's grid
 HEADS, HEAD_DIM = 16, 128
@@ -74,8 +66,8 @@ SMOKE_BATCH, SMOKE_HEADS, SMOKE_HEAD_DIM = 2, 2, 32
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskCase(ba.Case):
-  """A bench_attention Case (always causal here) with its mask kind."""
+class MaskCase(Case):
+  """A causal case with its mask kind; FLOPs count the pairs the mask leaves visible."""
 
   kind: str = "causal"
   window: int | None = None     # left window W: keys i - W <= j <= i
@@ -85,15 +77,14 @@ class MaskCase(ba.Case):
     extra = {"causal": "", "window": f" W={self.window}", "docs": f" docs={self.docs}"}[self.kind]
     return f"{self.kind}{extra} s={self.s}"
 
-  def flops(self, mode: str) -> float:
-    f = 4.0 * self.heads * self.d * visible_pairs(self)
-    return f * {"fwd": 1.0, "fwd+bwd": ba.BWD_FACTOR}[mode]
+  def pairs(self) -> float:
+    return visible_pairs(self) / self.batch
 
 
 def make_case(kind, s, param, smoke) -> MaskCase:
   batch, heads, d = (SMOKE_BATCH, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (
       TOKENS // s, HEADS, HEAD_DIM)
-  return MaskCase(s, d, True, batch, heads, kind=kind,
+  return MaskCase(s, d, True, batch, heads, name=f"{kind} {s}", kind=kind,
                   window=param if kind == "window" else None,
                   docs=param if kind == "docs" else None)
 
@@ -126,8 +117,19 @@ def visible_pairs(case: MaskCase) -> int:
   return int(sum((n * (n + 1) // 2).sum() for n in lengths))
 
 
-def jflash_tile_fraction(case: MaskCase) -> float:
-  """Key tiles jflash's forward visits over all tiles, with the default tile sizes."""
+def jflash_tile_fraction(case: MaskCase) -> float | str:
+  """Key tiles jflash's forward visits over all tiles, with the default tile sizes (read
+  from the kernels' schedule; the reason instead, where that schedule has moved)."""
+  try:
+    return _tile_fraction(case)
+  except Exception as e:  # informative only: the benchmark runs without it
+    return f"unavailable: {type(e).__name__}: {e}"[:300]
+
+
+def _tile_fraction(case: MaskCase) -> float:
+  from jflash.masks import MaskArrays, tile_classes, visited_tiles
+  from pallas_kernels.masking import MaskOptions
+  from pallas_kernels.tuning import default_block_sizes
   bs = default_block_sizes(case.d)
   opts = MaskOptions(is_causal=True, window=(case.window, 0) if case.window else None)
 
@@ -143,15 +145,19 @@ def jflash_tile_fraction(case: MaskCase) -> float:
 
 # -- peers ----------------------------------------------------------------------------------
 
+def mask_options(case: MaskCase) -> dict:
+  kw = {}
+  if case.kind == "window":
+    kw["local_window_size"] = (case.window, 0)
+  if case.kind == "docs":
+    kw["segment_ids"] = jnp.asarray(segment_ids(case))
+  return kw
+
+
 def _jflash(implementation):
   def variants(case: MaskCase):
-    kw = {}
-    if case.kind == "window":
-      kw["local_window_size"] = (case.window, 0)
-    if case.kind == "docs":
-      kw["segment_ids"] = jnp.asarray(segment_ids(case))
-    return [(implementation, lambda q, k, v: jflash.attention(
-        q, k, v, is_causal=True, implementation=implementation, **kw))]
+    return [(implementation, functools.partial(
+        jflash_call, implementation=implementation, is_causal=True, **mask_options(case)))]
   return variants
 
 
@@ -174,18 +180,15 @@ def _jax_nn(implementation):
   return variants
 
 
-def make_peers(args) -> dict[str, ba.Peer]:
-  if args.cpu_smoke:
-    return {"jflash": ba.Peer("jflash", _jflash("xla_chunked")),
-            "xla": ba.Peer("xla", _jax_nn("xla"))}
-  return {
-      "jflash": ba.Peer("jflash", _jflash(args.jflash_impl)),
-      "cudnn": ba.Peer("cudnn", _jax_nn("cudnn")),
-      "xla": ba.Peer("xla", _jax_nn("xla"), max_seq=args.xla_max_seq,
-                     skip_reason=f"seq > --xla-max-seq={args.xla_max_seq}: T x S logits"),
-      # Not timed; the reference of last resort when cuDNN and XLA cannot run.
-      "jflash_xla_chunked": ba.Peer("jflash_xla_chunked", _jflash("xla_chunked")),
-  }
+def make_peers(args) -> dict[str, Peer]:
+  impl = "xla_chunked" if args.cpu_smoke else args.jflash_impl
+  peers = [jflash_peer(impl, _jflash(impl)), Peer("xla", _jax_nn("xla"), max_seq=args.xla_max_seq,
+                                                  skip_reason=f"seq > --xla-max-seq={args.xla_max_seq}: T x S logits")]
+  if not args.cpu_smoke:
+    peers.insert(1, Peer("cudnn", _jax_nn("cudnn")))
+  if impl != "xla_chunked":  # not timed; the reference of last resort
+    peers.append(jflash_peer("xla_chunked", _jflash("xla_chunked")))
+  return {p.label: p for p in peers}
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -205,45 +208,15 @@ def ratios(rows) -> list[dict]:
   return out
 
 
-def print_table(rows, impls):
-  cells = {}
-  for r in rows:
-    key = (r["kind"], r["s"], r["window"] or r["docs"] or 0, r["mode"])
-    cells.setdefault(key, {})[r["impl"]] = r
-
-  def fmt(r):
-    if r is None:
-      return "-"
-    if r["ms"] is not None:
-      return f"{r['ms']:.3f}"
-    return {"wrong": "WRONG", "skipped": "skip", "error": "err"}.get(r["status"], "?")
-
-  others = [n for n in impls if n != "jflash"]
-  print("\nms per call (bf16); ratio = peer ms / jflash ms (> 1: jflash faster). "
-        "err/WRONG/skip: see the JSON rows' 'error'.", flush=True)
-  print(f"{'kind':>7} {'s':>6} {'W/docs':>6} {'mode':>8} " + "".join(f"{n:>12}" for n in impls)
-        + "".join(f"{'/' + n:>10}" for n in others))
-  for key in sorted(cells):
-    kind, s, p, mode = key
-    c = cells[key]
-    line = f"{kind:>7} {s:>6} {p:>6} {mode:>8} " + "".join(f"{fmt(c.get(n)):>12}" for n in impls)
-    j = c.get("jflash")
-    for n in others:
-      o = c.get(n)
-      line += (f"{o['ms'] / j['ms']:>10.2f}" if j and o and j["ms"] and o["ms"] else f"{'-':>10}")
-    print(line, flush=True)
-
-
 def config_record(args) -> dict:
   cfg = dict(vars(args))
   cfg.update(
       tokens=TOKENS, heads=HEADS, head_dim=HEAD_DIM, min_doc=MIN_DOC,
-      bwd_flop_factor=ba.BWD_FACTOR, rel_tol=ba.REL_TOL,
-      reference_chain=list(ba.reference_chain(args)),
+      rel_tol=specs.REL_TOL, reference_chain=list(specs.REFERENCE_CHAIN),
       flops="4*B*N*d*(visible query-key pairs), x3.5 for fwd+bwd",
       window="causal, (W, 0) in jax.nn semantics: query i sees keys i-W..i",
       timing=f"median of {args.rounds} rounds of back-to-back calls (>= {args.round_ms} ms each),"
-             f" {args.input_sets} rotated input sets, block_until_ready per round",
+             f" {args.input_sets} rotated input sets, completion awaited once per round",
   )
   return cfg
 
@@ -253,7 +226,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny shapes on the CPU, jflash 'xla_chunked' against 'xla' (for tests)")
-  p.add_argument("--out-dir", default=str(common.RESULTS), help="where the JSON goes")
+  p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
+                 help="where the JSON goes (experiments/results: the committed results)")
   p.add_argument("--name", default=None, help="JSON file stem (default bench_masks_<device>)")
   p.add_argument("--kinds", default="causal,window,docs", help="comma-separated subset")
   p.add_argument("--seqs", type=int, nargs="+", default=None, help="these seqs only")
@@ -263,9 +237,9 @@ def parse_args(argv=None):
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--xla-max-seq", type=int, default=XLA_MAX_SEQ,
                  help="longest seq timed for the materialising XLA baseline")
-  p.add_argument("--rounds", type=int, default=ba.ROUNDS)
-  p.add_argument("--round-ms", type=float, default=ba.ROUND_S * 1e3)
-  p.add_argument("--input-sets", type=int, default=ba.N_INPUT_SETS)
+  p.add_argument("--rounds", type=int, default=specs.ROUNDS)
+  p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3)
+  p.add_argument("--input-sets", type=int, default=specs.N_INPUT_SETS)
   p.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S,
                  help="calls not started by then are skipped (the JSON is still written)")
   args = p.parse_args(argv)
@@ -277,20 +251,16 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   peers = make_peers(args)
-  impls = [n for n in peers if n != "jflash_xla_chunked"]
-  if args.impls:
-    impls = [n.strip() for n in args.impls.split(",") if n.strip()]
-    unknown = [n for n in impls if n not in peers]
-    if unknown:
-      raise SystemExit(f"--impls: unknown {unknown}; choose from {sorted(peers)}")
+  timed = [n for n in peers if n != "jflash:xla_chunked" or args.cpu_smoke]
+  labels = select(peers, args.impls, timed)
   kinds = set(args.kinds.split(","))
   cases = [make_case(kind, s, param, args.cpu_smoke)
            for kind, s, param in (SMOKE_CASES if args.cpu_smoke else CASES)
            if kind in kinds and (args.seqs is None or s in args.seqs)]
   modes = [m for m in MODES if m in args.modes.split(",")]
-  ba.log(f"{len(cases)} mask cases x {modes} x {impls} on {jax.devices()[0].device_kind} "
-         f"(jax {jax.__version__})")
-  name = args.name or f"bench_masks_{ba.device_tag(args)}"
+  common.log(f"{len(cases)} mask cases x {modes} x {labels} on {jax.devices()[0].device_kind} "
+             f"(jax {jax.__version__})")
+  name = args.name or f"bench_masks_{'cpu_smoke' if args.cpu_smoke else common.device_tag()}"
   case_info = []
   for c in cases:
     info = dict(dataclasses.asdict(c), key=c.key(),
@@ -300,23 +270,17 @@ def main(argv=None):
       info["doc_lengths"] = [np.bincount(row).tolist() for row in segment_ids(c)]
     case_info.append(info)
 
-  def save(rows):
-    """Written after every case, so a run stopped early still leaves its rows."""
-    extra = {"cases": case_info, "ratios": ratios(rows),
-             "elapsed_s": round(time.perf_counter() - ba._T0, 1)}
-    return common.write_result(name, config_record(args), rows, extra=extra,
-                               out_dir=Path(args.out_dir))
-
-  runner = ba.Runner(args, peers)  # its deadline: --time-limit-s after start
+  runner = Runner(peers, dtype=args.dtype, rounds=args.rounds, round_s=args.round_ms / 1e3,
+                  input_sets=args.input_sets, time_limit_s=args.time_limit_s)
   rows = []
   for case in cases:
-    for row in runner.run_case(case, impls, modes):
-      row.update(kind=case.kind, window=case.window, docs=case.docs, key=case.key())
-      rows.append(row)
+    for row in runner.run_case(case, labels, modes):
+      rows.append(dict(row, kind=case.kind, window=case.window, docs=case.docs))
     runner.forget(case)
-    save(rows)
-  print_table(rows, impls)
-  ba.log(f"wrote {save(rows)}")
+    path = report.save(name, config_record(args), rows, args.out_dir,
+                       {"cases": case_info, "ratios": ratios(rows)})
+  report.print_tables(rows, labels)
+  common.log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment scripts: environment record, timing, memory, output."""
+"""What every experiment shares: the FLOP count, the timing loop, the compiled-memory
+reading, the device tag, the environment record and the JSON writer."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -15,7 +17,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+# The committed results. The scripts' --out-dir defaults to results/local/, which git
+# ignores, so trying a script never changes the tree; --out-dir experiments/results
+# refreshes the committed files.
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "local"
 
 
 def preset_parser(doc: str, presets: dict, preset_help: str) -> argparse.ArgumentParser:
@@ -82,27 +88,108 @@ def block(x):
   return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
-  """Median wall time of a jitted call, completion awaited on the device (seconds)."""
-  for _ in range(warmup):
-    block(fn(*args))
+_T0 = time.perf_counter()
+
+
+def elapsed() -> float:
+  """Seconds since this process imported the experiments."""
+  return time.perf_counter() - _T0
+
+
+def log(msg: str):
+  print(f"[{elapsed():7.1f}s] {msg}", flush=True)
+
+
+# -- FLOPs ---------------------------------------------------------------------------
+# QK^T and PV cost 2 * H multiply-adds each per visible (query, key) pair: 4 * H FLOPs.
+# The backward does 2.5 forwards' worth of matrix products (recomputed QK^T, dV, dP,
+# dQ, dK), so forward + backward counts 3.5x the forward (FlashAttention-2, section 4).
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def dense_pairs(T: int, S: int, causal: bool) -> float:
+  """(query, key) pairs of a T x S attention; causal counts half the square, the
+  FlashAttention-2 convention (not the exact T(T+1)/2), so TF/s compare with its tables."""
+  return T * S * (0.5 if causal else 1.0)
+
+
+def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, mode: str = "fwd") -> float:
+  """FLOPs of attention over `pairs` visible (query, key) pairs per (batch, head)."""
+  return 4.0 * batch * heads * head_dim * pairs * MODE_FLOP_FACTOR[mode]
+
+
+# -- timing --------------------------------------------------------------------------
+
+def time_calls(fn, sets=((),), *, rounds: int = 5, round_s: float = 0.0, warmup: int = 1,
+               budget_s: float | None = None, sync=block) -> dict:
+  """Seconds per call of an already compiled `fn`: `warmup` calls (the last one timed as
+  an estimate), then `rounds` rounds of back-to-back calls over the rotated argument
+  tuples `sets` (so no call finds the previous call's inputs in cache), completion
+  awaited once per round: one stream runs in order, so the last call done means all are.
+  A round holds as many calls as fit in `round_s` (at least 1, at most 500) so that
+  launch gaps do not count; with `budget_s`, slow calls get fewer rounds (at least 1)."""
+  n = len(sets)
+  one = 0.0
+  for i in range(max(1, warmup)):
+    t = time.perf_counter()
+    sync(fn(*sets[(i + 1) % n]))
+    one = time.perf_counter() - t
+  calls = int(min(max(1, round_s / max(one, 1e-6)), 500))
+  if budget_s is not None:
+    rounds = max(1, min(rounds, int(budget_s / max(one * calls, 1e-9))))
   times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    block(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters}
+  for _ in range(rounds):
+    t = time.perf_counter()
+    for i in range(calls):
+      out = fn(*sets[i % n])
+    sync(out)
+    times.append((time.perf_counter() - t) / calls)
+    del out
+  return {"median_s": statistics.median(times), "min_s": min(times), "rounds": rounds,
+          "calls_per_round": calls}
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
+  """`time_calls` for one argument tuple, one call per round."""
+  return time_calls(fn, (args,), rounds=iters, warmup=warmup)
+
+
+# -- compiled memory -----------------------------------------------------------------
+
+def compile_with_memory(jitted, *args) -> tuple[object, dict]:
+  """Lowers and compiles once; returns (executable, memory dict in bytes).
+
+  `total_bytes` = arguments + outputs + temporaries - donated aliases: what must be
+  resident while the program runs (the number XLA itself checks against the device).
+  """
+  compiled = jitted.lower(*args).compile()
+  m = compiled.memory_analysis()
+  mem = {}
+  if m is not None:
+    for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+              "alias_size_in_bytes", "generated_code_size_in_bytes"):
+      if hasattr(m, k):
+        mem[k] = int(getattr(m, k))
+    mem["total_bytes"] = (mem.get("temp_size_in_bytes", 0) + mem.get("argument_size_in_bytes", 0)
+                          + mem.get("output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0))
+  return compiled, mem
 
 
 def compiled_memory(fn, *args) -> dict:
-  """Compiled temp/argument/output bytes of `jax.jit(fn)` for these arguments."""
-  compiled = jax.jit(fn).lower(*args).compile()
-  m = compiled.memory_analysis()
-  if m is None:
-    return {}
-  return {k: int(getattr(m, k)) for k in (
-      "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-      "generated_code_size_in_bytes") if hasattr(m, k)}
+  """Compiled memory (see `compile_with_memory`) of `jax.jit(fn)` for these arguments."""
+  return compile_with_memory(jax.jit(fn), *args)[1]
+
+
+def device_tag() -> str:
+  """Short name of device 0 for result files: "h200" on an H200, "cpu" on the CPU,
+  else the device kind without vendor words as a slug."""
+  if jax.default_backend() == "cpu":
+    return "cpu"
+  kind = getattr(jax.devices()[0], "device_kind", jax.default_backend()).lower()
+  if "h200" in kind:
+    return "h200"
+  kind = re.sub(r"\b(nvidia|amd|radeon|instinct)\b", "", kind)
+  return re.sub(r"[^a-z0-9]+", "_", kind).strip("_") or jax.default_backend()
 
 
 def peak_device_memory() -> int | None:
@@ -120,7 +207,9 @@ def is_oom(err: BaseException) -> bool:
 
 
 def write_result(name: str, config, rows, extra: dict | None = None, out_dir: Path | None = None) -> Path:
-  """Writes `{environment, config, rows, ...}` as JSON to results/<name>.json."""
+  """Writes `{environment, config, rows, ...}` as JSON to <out_dir>/<name>.json. The
+  scripts' --out-dir defaults to DEFAULT_OUT; without one (the GPU check scripts, whose
+  results are committed as they come from the device) it is RESULTS."""
   out_dir = Path(out_dir) if out_dir else RESULTS
   out_dir.mkdir(parents=True, exist_ok=True)
   if dataclasses.is_dataclass(config):
@@ -130,5 +219,8 @@ def write_result(name: str, config, rows, extra: dict | None = None, out_dir: Pa
   payload = {"environment": environment(), "config": config, "argv": sys.argv, "rows": rows}
   payload.update(extra or {})
   path = out_dir / f"{name}.json"
-  path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  # Written whole, then renamed: a run killed mid-write leaves the previous file intact.
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  os.replace(tmp, path)
   return path

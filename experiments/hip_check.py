@@ -18,17 +18,14 @@ error (printing the compiler's output), on a missing device, or on any failed ca
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
 import math
 import re
 import shlex
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -12,18 +12,14 @@ Inputs (B=1, --heads heads, head_dim --head-dim):
 Every output is compared, in float64, with (a) standard attention in float32 and (b)
 attention in float64 (jflash xla_chunked with x64 enabled), on the same half-precision
 inputs upcast, so only the computation's error is measured, not the input rounding.
-Writes results/numerics_<backend>.json and .png.
+Writes <out-dir>/numerics_<backend>.json and .png (see common.DEFAULT_OUT).
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
 
 import argparse
 import functools
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +28,7 @@ from tqdm import tqdm
 
 import jflash
 from experiments import common
-from experiments.scaling_common import enable_x64, load_average, seq_axis, setup_matplotlib
+from experiments.scaling_common import load_average, seq_axis, setup_matplotlib
 
 PRESETS = {
     # 2 CPU cores: half-precision matmuls are emulated on CPU, so stop at 4K.
@@ -57,7 +53,7 @@ def parse_args(argv=None):
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
                  help="full attention by default: every row then sums S terms, the worst case")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "gpu")
@@ -110,7 +106,7 @@ def main(argv=None):
       # Round the inputs to the dtype under test once; every reference sees the same
       # rounded values, so the errors below are the computation's alone.
       q, k, v = (jnp.asarray(x, dt) for x in (q64, k64, v64))
-      with enable_x64():
+      with jax.enable_x64(True):
         ref64 = np.asarray(attend_fn("xla_chunked", scale, args.causal)(
             *(x.astype(jnp.float64) for x in (q, k, v))))
       ref32 = np.asarray(attend_fn("xla", scale, args.causal)(

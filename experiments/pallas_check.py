@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

@@ -2,17 +2,13 @@
 
   ncu --clock-control none --kernel-name regex:jflash --launch-skip 3 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
-      python experiments/profile_kernels.py --seq 4096 --head-dim 64 --causal
+      python -m experiments.profile_kernels --seq 4096 --head-dim 64 --causal
 
 Two warm-up steps compile and load the kernels; the third is the one to profile.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

@@ -1,26 +1,91 @@
 #!/usr/bin/env bash
-# One device call for the H200: correctness, an A/B of the exp2 instruction, and the
-# issue-4 benchmark. Usage (on the device machine, repo root, tokamax wheels in .whl):
-#   bash experiments/run_h200.sh "$OUT"
+# The one device run on the H200: correctness of the compiled kernels, then the
+# benchmark, inside BUDGET_S (default 420) seconds of wall time.
+#
+#   bash experiments/run_h200.sh "$OUT"                  # repo root, tokamax wheels in .whl/
+#   BENCH_SMOKE=1 bash experiments/run_h200.sh /tmp/out  # the same steps, tiny, on a CPU
+#
+# Steps, each with its own timeout taken from what is left, each non-fatal:
+#   1. python -m experiments.pallas_check (and experiments.mosaic_check when present)
+#   2. benchmark A: jflash (pallas, mosaic_gpu) against cuDNN on the FA-2 quick cells,
+#      the d=256 cell and the model-shape preset
+#   3. benchmark B: every other peer on the FA-2 quick cells, then the memory table
+#   4. report: A and B joined into bench_attention_h200.json, targets evaluated, the
+#      tables printed, the short summary last
+# The benchmarks write their JSON after every case and stop starting calls at their
+# --time-limit-s, so a step cut short keeps what it measured. Full logs: $OUT/*.log.
 set -uo pipefail
-out=${1:?output dir}
+out=${1:?usage: run_h200.sh OUT_DIR}
+mkdir -p "$out"
+budget=${BUDGET_S:-420}
+start=$SECONDS
+left() { echo $(( budget - (SECONDS - start) )); }
+py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+tag=h200
+bench_flags=()
+check_flags=()
+if [ -n "${BENCH_SMOKE:-}" ]; then
+  export JAX_PLATFORMS=cpu
+  tag=cpu_smoke
+  bench_flags=(--cpu-smoke --jflash-impls xla_chunked,mosaic_gpu)
+  check_flags=(--seq 64)
+fi
+
+# step NAME TIMEOUT_S CMD...: runs CMD with its output in $OUT/NAME.log; prints one line.
+step() {
+  local name=$1 limit=$2; shift 2
+  if [ "$limit" -le 5 ]; then
+    echo "== $name: not run, $(left) s of the budget left"
+    return
+  fi
+  local t=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( SECONDS - t )) s (limit $limit s)$([ $rc -eq 124 ] && echo ', TIMED OUT')"
+  grep -E "passed|failed|wrote|Error|error:" "$out/$name.log" | tail -3 | cut -c1-200
+}
+
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
-python3 -c "import jax; d = jax.devices()[0]; print(jax.__version__, d, repr(d.client.platform_version))"
-# 1. SASS of one exp2: libdevice's non-FTZ path against the bare instruction.
-nvcc -arch=sm_90 -cubin -o /tmp/ex2.cubin experiments/ex2_sass.cu &&
-  cuobjdump -sass /tmp/ex2.cubin | grep -E "Function|MUFU|FSETP|FMUL" | tee "$out/ex2_sass.txt"
-# 2. Compiled kernels against the float64 reference.
-timeout 150 python3 experiments/pallas_check.py --out-dir "$out" 2>&1 | tee "$out/pallas_check.log" || exit 1
-# 3. A/B: jflash's table, d=64 s=4K, forward and backward, libdevice exp2 vs the bare one.
-for lib in 1 0; do
-  JFLASH_LIBDEVICE_EXP2=$lib timeout 120 python3 experiments/bench_attention.py --block-sweep \
-    --head-dims 64 --sweep-passes fwd,dq --sweep-budget-s 1 --out-dir "$out" \
-    --name "exp2_ab_libdevice$lib" 2>&1 | grep "default" | tee -a "$out/exp2_ab.log"
-done
-# 4. Issue 4's table with every peer, one process.
-timeout 330 python3 experiments/bench_attention.py --quick --time-limit-s 240 --out-dir "$out" \
-  2>&1 | tee "$out/bench_attention_h200.log" | grep -v "^\[" | grep -v "WARNING\|W1129\|^W"
+$py -c "import jax; d = jax.devices()[0]; print('jax', jax.__version__, d, d.device_kind)"
+
+# 1. Correctness against float64 (the checks write their own JSON).
+step pallas_check $(( $(left) * 25 / 100 )) $py -m experiments.pallas_check --out-dir "$out" \
+  ${check_flags[@]+"${check_flags[@]}"}
+if [ -f experiments/mosaic_check.py ]; then
+  mosaic_flags=()
+  $py -m experiments.mosaic_check --help 2>/dev/null | grep -q -- "--out-dir" && mosaic_flags=(--out-dir "$out")
+  step mosaic_check $(( $(left) * 15 / 100 )) $py -m experiments.mosaic_check \
+    ${mosaic_flags[@]+"${mosaic_flags[@]}"}
+fi
+
+# 2-3. The benchmark in two processes: A (what the targets need) before B (the peer table).
+# Each stops starting calls at its --time-limit-s; the timeout leaves room for the call in
+# flight (a compile) and the JSON.
+grids=quick,d256,model
+a_impls=jflash,cudnn
+[ -n "${BENCH_SMOKE:-}" ] && grids=smoke && a_impls=jflash,xla
+a=$(( ($(left) - 20) * 65 / 100 ))
+step bench_a $a $py -m experiments.bench_attention --grids "$grids" --impls "$a_impls" \
+  --skip-memory --time-limit-s $(( a - 40 > 10 ? a - 40 : 10 )) --out-dir "$out" \
+  --name bench_a_$tag ${bench_flags[@]+"${bench_flags[@]}"}
+b=$(( $(left) - 20 ))
+others=jax_pallas_mha,jax_mgpu,tokamax_mosaic,tokamax_triton,torch_flash,torch_cudnn,xla
+[ -n "${BENCH_SMOKE:-}" ] && others=xla
+step bench_b $b $py -m experiments.bench_attention --quick --impls "$others" \
+  --time-limit-s $(( b - 40 > 10 ? b - 40 : 10 )) --out-dir "$out" --name bench_b_$tag \
+  ${bench_flags[@]+"${bench_flags[@]}"}
+
+# 4. One JSON and the tables; the short summary is printed last.
+parts=()
+for f in "$out/bench_a_$tag.json" "$out/bench_b_$tag.json"; do [ -f "$f" ] && parts+=("$f"); done
+if [ ${#parts[@]} -gt 0 ]; then
+  timeout 60 $py -m experiments.bench_attention --report "${parts[@]}" --out-dir "$out" \
+    --name "bench_attention_$tag" 2>&1 | tee "$out/report.log" | grep -v "^\[" | tail -70
+else
+  echo "no benchmark JSON was written: see $out/bench_a.log and $out/bench_b.log"
+fi
+echo "== done in $(( SECONDS - start )) s of $budget"

@@ -1,5 +1,5 @@
-"""Helpers for the scaling experiments: compile once and read memory from the same
-executable, attention callables by name, OOM-as-a-result, presets, plotting setup."""
+"""Helpers for the scaling experiments: attention callables by name, the memory budget,
+OOM-as-a-result, random inputs, plotting setup."""
 from __future__ import annotations
 
 import os
@@ -48,25 +48,6 @@ def memory_budget_bytes(override_gb: float | None) -> tuple[int | None, str]:
     except (ValueError, OSError, AttributeError):  # not POSIX
       pass
   return None, "unknown"
-
-
-def compile_with_memory(jitted, *args) -> tuple[object, dict]:
-  """Lowers and compiles once; returns (executable, memory dict in bytes).
-
-  `total_bytes` = arguments + outputs + temporaries - donated aliases: what must be
-  resident while the program runs (the number XLA itself checks against the device).
-  """
-  compiled = jitted.lower(*args).compile()
-  m = compiled.memory_analysis()
-  mem = {}
-  if m is not None:
-    for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-              "alias_size_in_bytes", "generated_code_size_in_bytes"):
-      if hasattr(m, k):
-        mem[k] = int(getattr(m, k))
-    mem["total_bytes"] = (mem.get("temp_size_in_bytes", 0) + mem.get("argument_size_in_bytes", 0)
-                          + mem.get("output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0))
-  return compiled, mem
 
 
 def failure(err: BaseException) -> dict:
@@ -119,15 +100,6 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()]
   except (OSError, AttributeError):  # not available on this platform
     return None
-
-
-def enable_x64():
-  """Context manager turning on float64 (`jax.enable_x64` since jax 0.7; the older
-  `jax.experimental.enable_x64` otherwise)."""
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(True)
-  from jax.experimental import enable_x64 as _enable_x64
-  return _enable_x64()
 
 
 def random_arrays(seed: int, structs) -> list:

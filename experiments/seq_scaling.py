@@ -12,23 +12,19 @@ Two parts, each doubling the sequence length:
 An out-of-memory is a result, not a crash: a compile or run that fails with
 RESOURCE_EXHAUSTED, or a compiled program larger than the memory budget (the device's
 bytes_limit; host RAM on a CPU), is recorded as "oom" and that implementation stops
-doubling. Writes results/seq_scaling_<backend>.json and .png.
+doubling. Writes <out-dir>/seq_scaling_<backend>.json and .png (see common.DEFAULT_OUT).
 
-  python experiments/seq_scaling.py                  # CPU default: ~2-3 minutes
-  python experiments/seq_scaling.py --preset h200    # GPU table, ~4 minutes on an H200
+  python -m experiments.seq_scaling                  # CPU default (make demo)
+  python -m experiments.seq_scaling --preset h200    # GPU table, ~4 minutes on an H200
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
-
 import argparse
-import json
 import dataclasses
-import statistics
+import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +33,12 @@ from tqdm import tqdm
 
 import jflash
 from experiments import common
+from experiments.common import attention_flops, compile_with_memory, dense_pairs
 from experiments.lm_common import init_model, make_optimizer, make_train_step
-from experiments.scaling_common import (attention_callable, compile_with_memory, failure,
+from experiments.scaling_common import (IMPLEMENTATIONS, attention_callable, failure,
                                         human_bytes, labels_for_backend, load_average,
-                                        memory_budget_bytes, random_arrays, seq_axis,
-                                        setup_matplotlib, shape_struct, IMPLEMENTATIONS)
+                                        memory_budget_bytes, random_arrays, shape_struct)
+from experiments.seq_scaling_report import plot, print_summary, summarize
 from jflash.nn import LMConfig, lm_flops_per_token
 
 # Per-backend sizes. Each is a complete config; flags override single fields.
@@ -89,7 +86,7 @@ def parse_args(argv=None):
                  help="rough seconds of timed calls per configuration: slow ones get "
                       "fewer repetitions (at least one after warm-up)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
   common.add_preset_options(p, [
       ("batch", int, "attention batch"), ("heads", int, "query heads"),
@@ -123,27 +120,6 @@ def _seqs(start, stop):
     out.append(s)
     s *= 2
   return out
-
-
-def _time_calls(fn, iters, budget_s):
-  """Median seconds of fn() after one warm-up call (compile is already done); fewer
-  repetitions when one call is slow, so a configuration costs about budget_s."""
-  t0 = time.perf_counter()
-  common.block(fn())
-  iters = max(1, min(iters, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    common.block(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), min(times)
-
-
-def attention_flops(B, N, T, S, H, causal, passes):
-  """4 B N T S H per forward (QK^T and PV), halved when causal; fwd+bwd is 3.5x the
-  forward (backward = 2.5x: dV, dP, dQ, dK plus the recomputed QK^T)."""
-  f = 4 * B * N * T * S * H * (0.5 if causal else 1.0)
-  return f * (1.0 if passes == "fwd" else 3.5)
 
 
 def over_budget(row, mem, budget) -> bool:
@@ -194,11 +170,13 @@ def run_attention(args, labels, budget):
         row.update(status="ok", timed=False)
       else:
         arrays = random_arrays(args.seed + T, structs)
-        med, best = _time_calls(lambda: compiled(*arrays), args.iters, args.time_budget_s)
+        t = common.time_calls(lambda: compiled(*arrays), rounds=args.iters,
+                              budget_s=args.time_budget_s)
         del arrays
-        flops = attention_flops(args.batch, args.heads, T, T, args.head_dim, args.causal, mode)
-        row.update(status="ok", timed=True, median_s=med, min_s=best,
-                   tflops=flops / med / 1e12)
+        flops = attention_flops(args.batch, args.heads, args.head_dim,
+                                dense_pairs(T, T, args.causal), mode)
+        row.update(status="ok", timed=True, median_s=t["median_s"], min_s=t["min_s"],
+                   tflops=flops / t["median_s"] / 1e12)
     except Exception as e:  # recorded, see failure()
       row.update(failure(e))
     note_stop(stopped, (label, mode), row, f"{label} {mode} T={T}")
@@ -252,10 +230,11 @@ def run_lm(args, labels, budget):
         def one_step():
           state[0], state[1], loss = compiled(state[0], state[1], tok, tok, w)
           return loss
-        med, best = _time_calls(one_step, args.lm_iters, args.time_budget_s)
+        t = common.time_calls(one_step, rounds=args.lm_iters, budget_s=args.time_budget_s)
+        med = t["median_s"]
         loss = float(one_step())
         tokens = args.lm_batch * T
-        row.update(status="ok", median_s=med, min_s=best, tokens_per_s=tokens / med,
+        row.update(status="ok", median_s=med, min_s=t["min_s"], tokens_per_s=tokens / med,
                    loss=loss, model_tflops=lm_flops_per_token(cfg, T) * tokens / med / 1e12)
         del state
     except Exception as e:  # recorded, see failure()
@@ -263,125 +242,6 @@ def run_lm(args, labels, budget):
     note_stop(stopped, (label, remat), row, f"lm {label} T={T}")
     rows.append(row)
   return rows
-
-
-# -- summary + plot ---------------------------------------------------------------------
-
-def summarize(rows):
-  """The published-table view: LM memory (GB) per seq, tokens/s, and the 4K speedup."""
-  lm = [r for r in rows if r["part"] == "lm"]
-  table = {}
-  for r in lm:
-    key = f"{r['impl']}{' +remat' if r['remat'] else ''}"
-    cell = ("OOM" if r["status"] == "oom" else r["status"] if r["status"] != "ok" else
-            {"memory_gb": round(r["memory"]["total_bytes"] / 2**30, 2),
-             "tokens_per_s": round(r["tokens_per_s"], 1)})
-    table.setdefault(key, {})[r["seq"]] = cell
-  out = {"lm_table": table}
-  for T in sorted({r["seq"] for r in lm if not r["remat"]}):
-    ok = {r["impl"]: r for r in lm if r["seq"] == T and not r["remat"] and r["status"] == "ok"}
-    if "standard" in ok and "jflash" in ok:
-      out.setdefault("jflash_speedup_tokens_per_s", {})[T] = round(
-          ok["jflash"]["tokens_per_s"] / ok["standard"]["tokens_per_s"], 3)
-  return out
-
-
-def print_summary(rows):
-  lm = [r for r in rows if r["part"] == "lm"]
-  if not lm:
-    return
-  seqs = sorted({r["seq"] for r in lm})
-  keys = sorted({(r["impl"], r["remat"]) for r in lm}, key=lambda k: (k[1], k[0]))
-  print("\nLM training step: compiled memory / tokens per second")
-  print("| impl | " + " | ".join(str(T) for T in seqs) + " |")
-  print("|---" * (len(seqs) + 1) + "|")
-  for impl, remat in keys:
-    cells = []
-    for T in seqs:
-      r = next((r for r in lm if r["impl"] == impl and r["remat"] == remat and r["seq"] == T), None)
-      if r is None:
-        cells.append("")
-      elif r["status"] == "ok":
-        cells.append(f"{human_bytes(r['memory']['total_bytes'])}, {r['tokens_per_s']:.0f} tok/s")
-      else:
-        cells.append(r["status"].upper())
-    print(f"| {impl}{' +remat' if remat else ''} | " + " | ".join(cells) + " |")
-
-
-COLORS = {"standard": "tab:red", "jflash": "tab:blue", "cudnn": "tab:green"}
-
-
-def plot(rows, path, title, budget):
-  plt = setup_matplotlib()
-  att = [r for r in rows if r["part"] == "attention"]
-  lm = [r for r in rows if r["part"] == "lm"]
-  fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-
-  def series(rs, x, y):
-    pts = sorted((r[x], y(r)) for r in rs if r["status"] == "ok" and y(r) is not None)
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-  def mark_oom(ax, rs, label, ypos):
-    ooms = [r["seq"] for r in rs if r["status"] == "oom"]
-    if ooms:
-      ax.scatter(ooms, [ypos] * len(ooms), marker="x", s=90, color=COLORS.get(label, "k"),
-                 zorder=5, label=f"{label} OOM")
-
-  ax = axes[0, 0]
-  for label in sorted({r["impl"] for r in att}):
-    for mode, ls, mk in (("fwd", "--", "s"), ("fwd+bwd", "-", "o")):
-      rs = [r for r in att if r["impl"] == label and r["mode"] == mode]
-      xs, ys = series(rs, "seq", lambda r: r.get("memory", {}).get("total_bytes", 0) / 2**20)
-      ax.plot(xs, ys, ls, marker=mk, ms=4, color=COLORS.get(label), label=f"{label} {mode}")
-      if mode == "fwd+bwd" and budget:
-        mark_oom(ax, rs, label, budget / 2**20)
-  if budget:
-    ax.axhline(budget / 2**20, color="gray", lw=0.8, ls=":", label="memory budget")
-  ax.set(yscale="log", ylabel="compiled memory (MiB)",
-         title="attention op: compiled memory (x: over budget = OOM)")
-  seq_axis(ax, [r["seq"] for r in att])
-  ax.legend(fontsize=7)
-
-  ax = axes[0, 1]
-  for label in sorted({r["impl"] for r in att}):
-    for mode, ls, mk in (("fwd", "--", "s"), ("fwd+bwd", "-", "o")):
-      rs = [r for r in att if r["impl"] == label and r["mode"] == mode and r.get("timed")]
-      xs, ys = series(rs, "seq", lambda r: r["median_s"] * 1e3)
-      ax.plot(xs, ys, ls, marker=mk, ms=4, color=COLORS.get(label), label=f"{label} {mode}")
-  ax.set(yscale="log", ylabel="median time (ms)", title="attention op: time")
-  seq_axis(ax, [r["seq"] for r in att if r.get("timed")])
-  ax.legend(fontsize=7)
-
-  ok_lm = [r["memory"]["total_bytes"] for r in lm if r["status"] == "ok"]
-  gib = bool(ok_lm) and max(ok_lm) >= 2**30          # GiB on a GPU, MiB for CPU-sized models
-  unit, div = ("GiB", 2**30) if gib else ("MiB", 2**20)
-  for ax, key, ylabel, ttl in (
-      (axes[1, 0], lambda r: r["memory"]["total_bytes"] / div, f"compiled memory ({unit})",
-       "LM training step: compiled memory"),
-      (axes[1, 1], lambda r: r["tokens_per_s"], "tokens / s", "LM training step: throughput")):
-    for label in sorted({r["impl"] for r in lm}):
-      for remat, ls in ((False, "-"), (True, ":")):
-        rs = [r for r in lm if r["impl"] == label and r["remat"] == remat]
-        if not rs:
-          continue
-        xs, ys = series(rs, "seq", key)
-        name = f"{label}{' +remat' if remat else ''}"
-        ax.plot(xs, ys, ls, marker="o", ms=4, color=COLORS.get(label), label=name)
-        ooms = [r["seq"] for r in rs if r["status"] == "oom"]
-        if ooms:
-          ok_y = ys[-1] if ys else 1.0
-          ax.scatter(ooms, [ok_y] * len(ooms), marker="x", s=90, color=COLORS.get(label),
-                     zorder=5, label=f"{name} OOM")
-    ax.set(ylabel=ylabel, title=ttl)
-    seq_axis(ax, [r["seq"] for r in lm])
-    ax.set_ylim(bottom=0)   # linear: the LM's memory spans a few x, not decades
-    ax.legend(fontsize=7)
-  for a in axes.flat:
-    a.grid(True, which="both", alpha=0.3)
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def combine(paths, out_dir):
@@ -413,7 +273,7 @@ def main(argv=None):
   if argv is None:
     argv = sys.argv[1:]
   if argv and argv[0] == "--combine":
-    out_dir = common.RESULTS
+    out_dir = common.DEFAULT_OUT
     if "--out-dir" in argv:
       i = argv.index("--out-dir")
       out_dir, argv = argv[i + 1], argv[:i] + argv[i + 2:]

@@ -11,20 +11,16 @@ Tasks, no downloads:
 Optax AdamW with warm-up + cosine decay. Checkpoints every --ckpt-every steps (orbax
 when installed, else flax msgpack) under --ckpt-dir/<task>_<impl>/; --resume continues
 from the latest, loss history and data-stream state included.
-Writes results/train_lm_<backend>.json and .png.
+Writes <out-dir>/train_lm_<backend>.json and .png (see common.DEFAULT_OUT).
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python experiments/...`
 
 import argparse
 import dataclasses
 import hashlib
 import math
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -68,7 +64,7 @@ def parse_args(argv=None):
                  help="steps between checkpoints (default: preset; always at the end)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--seed", type=int, default=0, help="same seed for every implementation")
-  p.add_argument("--out-dir", type=Path, default=common.RESULTS,
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT,
                  help="where the JSON and PNG go (tests pass a tmp dir)")
   common.add_preset_options(p, [
       ("tasks", str, "comma-separated from copy, recall, text"), ("steps", int, "optimizer steps"),
@@ -85,7 +81,8 @@ def parse_args(argv=None):
   common.apply_preset(args, PRESETS, "h200")
   if args.ckpt_dir is None:
     # Never beside the committed results: checkpoints are large binaries.
-    root = (REPO / "build") if Path(args.out_dir).resolve() == common.RESULTS else Path(args.out_dir)
+    results = (common.RESULTS, common.DEFAULT_OUT)
+    root = (REPO / "build") if Path(args.out_dir).resolve() in results else Path(args.out_dir)
     args.ckpt_dir = root / "checkpoints" / f"train_lm_{jax.default_backend()}"
   return args
 

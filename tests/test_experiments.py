@@ -1,7 +1,7 @@
 """Every experiment script runs end to end on CPU in its --tiny configuration, writing to
 a temporary folder (the committed results/ stay untouched).
 
-Each runs as `python experiments/<name>.py`, exactly as a user would, in a subprocess
+Each runs as `python -m experiments.<name>`, exactly as a user would, in a subprocess
 with XLA's CPU backend optimisation turned down: these programs run for milliseconds
 and compile for seconds, so optimising them is wasted time.
 """
@@ -22,7 +22,7 @@ def run_script(name, out_dir, *extra):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip())
   proc = subprocess.run(
-      [sys.executable, str(REPO / "experiments" / f"{name}.py"), "--tiny", "--out-dir",
+      [sys.executable, "-m", f"experiments.{name}", "--tiny", "--out-dir",
        str(out_dir), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
   return proc

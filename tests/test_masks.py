@@ -139,7 +139,7 @@ def test_bench_masks_cpu_smoke(tmp_path):
   # Machinery only (correctness gate, timing loop, JSON), never the numbers.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "bench_masks.py"), "--cpu-smoke",
+      [sys.executable, "-m", "experiments.bench_masks", "--cpu-smoke",
        "--out-dir", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,0 +1,220 @@
+"""What the benchmarks measure, as data: cases, grids, peers' settings, targets.
+
+A `Case` is one attention shape; a grid is a tuple of cases; a target is a rule a
+measured row must meet, evaluated by `experiments.bench.report.evaluate_targets`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from experiments.common import attention_flops, dense_pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """B x T x N x d queries against B x S x K x d keys and values (T = S = s here)."""
+
+  s: int
+  d: int
+  causal: bool
+  batch: int
+  heads: int
+  kv_heads: int | None = None      # None: as many as query heads (MHA)
+  name: str = ""                   # a short label for tables and targets
+
+  @property
+  def k_heads(self) -> int:
+    return self.kv_heads or self.heads
+
+  @property
+  def scale(self) -> float:
+    return 1.0 / math.sqrt(self.d)
+
+  def pairs(self) -> float:
+    return dense_pairs(self.s, self.s, self.causal)
+
+  def flops(self, mode: str) -> float:
+    return attention_flops(self.batch, self.heads, self.d, self.pairs(), mode)
+
+  def key(self) -> str:
+    gqa = f" {self.heads}/{self.k_heads}" if self.k_heads != self.heads else ""
+    return f"s={self.s} d={self.d}{gqa} b={self.batch} causal={self.causal}"
+
+
+MODES = ("fwd", "fwd+bwd")
+
+# -- FlashAttention-2 paper grid: batch * seq and heads * head_dim held constant ------
+TOKENS = 16384
+HIDDEN = 2048
+SEQS = (1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+
+
+def fa2_case(s: int, d: int, causal: bool) -> Case:
+  return Case(s, d, causal, TOKENS // s, HIDDEN // d, name=f"fa2 {s // 1024}K d{d}"
+              + (" causal" if causal else ""))
+
+
+FA2_QUICK = tuple(fa2_case(s, d, c) for s, d, c in (
+    (16384, 128, False), (16384, 128, True), (4096, 64, False), (4096, 64, True),
+    (1024, 128, False)))
+FA2_FULL = tuple(fa2_case(s, d, c) for d in HEAD_DIMS for s in SEQS for c in (False, True))
+
+# d = 256 beside the grid: 8 heads x 256 (hidden 2048), batch 4, 4K.
+D256 = tuple(Case(4096, 256, c, 4, 8, name="d256 4K" + (" causal" if c else ""))
+             for c in (False, True))
+
+# Shapes real models use. MQA/GQA exercise the grouped backward, d 80/96/192 head dims
+# that are not powers of two, 3000 tails that are not whole tiles (3072 beside it with
+# the same kernels), d=128 4K the aligned case the others' temporaries compare with.
+D96 = Case(4096, 96, False, 4, 16, name="d96 4K")
+D80 = Case(4096, 80, False, 4, 16, name="d80 4K")
+D192 = Case(4096, 192, False, 4, 16, name="d192 4K")
+D128_4K = Case(4096, 128, False, 4, 16, name="d128 4K")
+T3000 = Case(3000, 128, True, 4, 16, name="T3000 causal")
+T3072 = Case(3072, 128, True, 4, 16, name="T3072 causal")
+GQA = Case(8192, 128, True, 2, 32, 8, name="GQA 32/8 8K causal")
+MQA = Case(16384, 128, True, 1, 16, 1, name="MQA 16/1 16K causal")
+# Longest compiles last: a run cut by its time limit loses them, not the rest.
+MODEL = (D96, D80, D192, D128_4K, T3000, T3072) + D256 + (GQA, MQA)
+
+GRIDS = {
+    "quick": FA2_QUICK,
+    "full": FA2_FULL,
+    "d256": D256,
+    "model": MODEL,
+    # CPU smoke: compile time is the cost there, so two tiny cases (MHA, GQA).
+    "smoke": (Case(128, 32, True, 2, 2, name="smoke"),
+              Case(128, 32, False, 1, 4, 2, name="smoke GQA 4/2")),
+}
+
+# -- compiled memory of fwd+bwd against the sequence (batch 1, 16 x 128) -------------
+MEMORY_SEQS = {"quick": (1024, 4096, 16384, 32768),
+               "full": (1024, 2048, 4096, 8192, 16384, 32768), "smoke": (128,)}
+MEMORY_HEADS = {"gpu": (16, 128), "smoke": (2, 32)}
+MEMORY_PEERS = ("jflash", "jax_pallas_mha", "cudnn", "xla")
+
+# -- checking and timing ---------------------------------------------------------------
+# A sanity gate, not an accuracy test: two bf16 implementations differ by ~4e-3 (bf16
+# rounding of the output), a wrong kernel by O(1) or NaN.
+REL_TOL = {"fwd": 2e-2, "fwd+bwd": 5e-2, "bwd": 5e-2}
+ROUNDS = 5              # median over rounds
+ROUND_S = 0.025         # each round long enough (>= 25 ms) that launch gaps do not count
+N_INPUT_SETS = 3        # rotated so no call reuses the previous call's inputs in cache
+XLA_MAX_SEQ = 8192      # the materialising baseline: 16K fwd+bwd needs 40 GiB and is ~10x slower
+
+# -- peers' settings -------------------------------------------------------------------
+# jflash implementations timed by default; one not registered, or raising
+# NotImplementedError for a case, is recorded with its reason.
+JFLASH_IMPLS = ("pallas", "mosaic_gpu")
+# JAX's Pallas Triton `mha` (chosen, not tuned here): forward 128 x 64 tiles; its fused
+# backward walks dQ and dK/dV blocks with one grid, so block_q_dq == block_kv_dkv. Its own
+# default backward tiles (32) are far slower.
+MHA_BLOCKS = dict(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
+                  block_q_dq=128, block_kv_dq=64)
+# JAX's Mosaic GPU kernel, in the order tried: its test suite's blocks with two compute
+# warpgroups in the backward; the second only if the first overflows shared memory. Its
+# forward has no scale argument, so q is scaled outside; its buffers are fp16.
+MGPU_CONFIGS = (
+    dict(block_q=64, block_kv=128, max_concurrent_steps=2, compute_wgs_bwd=2,
+         block_q_dq=64, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=64),
+    dict(block_q=64, block_kv=64, max_concurrent_steps=2, compute_wgs_bwd=1,
+         block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64),
+)
+# Peers other than jflash, in table order. The reference of a check is the first of
+# REFERENCE_CHAIN that runs the case.
+PEERS = ("cudnn", "xla", "jax_pallas_mha", "jax_mgpu", "tokamax_mosaic", "tokamax_triton",
+         "torch_flash", "torch_cudnn")
+REFERENCE_CHAIN = ("cudnn", "xla", "jflash:xla_chunked")
+
+# -- targets ---------------------------------------------------------------------------
+# kind: "tflops"     jflash TF/s >= value
+#       "vs_peer"    jflash TF/s >= value x the peer's in the same cell
+#       "vs_case"    jflash TF/s >= value x jflash's own on the case `other`
+#       "compile_s"  first call of fwd+bwd (compile included) <= value seconds
+#       "temp_vs"    compiled temporaries of fwd+bwd <= value x those of case `other`
+#       "resolves"   implementation=None resolves to `impl` for the case
+#       "vs_baseline" jflash TF/s >= value x the same cell in a baseline JSON
+@dataclasses.dataclass(frozen=True)
+class Target:
+  group: str
+  kind: str
+  cases: tuple
+  impl: str                      # the jflash implementation judged
+  mode: str = "fwd+bwd"
+  value: float = 1.0
+  peer: str | None = None
+  other: Case | None = None
+
+
+def _fa2(*cells):
+  return tuple(fa2_case(s, d, c) for s, d in cells for c in (False, True))
+
+
+FA2_LONG = _fa2((16384, 128), (4096, 64))
+HOPPER_CELLS = FA2_LONG + D256   # 16K d=128, 4K d=64, 4K d=256, causal and not
+TARGETS = (
+    # FlashAttention-2 floors of the Triton kernels on the H200.
+    Target("fa2_floors", "tflops", FA2_LONG[:2], "pallas", "fwd", 430.0),
+    Target("fa2_floors", "tflops", FA2_LONG[:2], "pallas", "fwd+bwd", 330.0),
+    Target("fa2_floors", "tflops", FA2_LONG[2:], "pallas", "fwd", 330.0),
+    Target("fa2_floors", "tflops", FA2_LONG[2:], "pallas", "fwd+bwd", 280.0),
+    Target("fa2_floors", "vs_peer", (fa2_case(1024, 128, False),), "pallas", "fwd", 0.9,
+           "jax_pallas_mha"),
+    Target("fa2_floors", "vs_peer", (fa2_case(1024, 128, False),), "pallas", "fwd+bwd", 1.5,
+           "jax_pallas_mha"),
+    # Model shapes on the Triton kernels, against cuDNN in the same run.
+    Target("model_shapes", "compile_s", (MQA, GQA, T3072), "pallas", value=10.0),
+    Target("model_shapes", "vs_peer", (MQA,), "pallas", value=0.75, peer="cudnn"),
+    Target("model_shapes", "vs_peer", (GQA,), "pallas", value=0.8, peer="cudnn"),
+    Target("model_shapes", "vs_peer", (D96, D80), "pallas", value=0.75, peer="cudnn"),
+    Target("model_shapes", "temp_vs", (D96, D80), "pallas", value=1.1, other=D128_4K),
+    Target("model_shapes", "vs_case", (T3000,), "pallas", value=0.95, other=T3072),
+    Target("model_shapes", "temp_vs", (T3000,), "pallas", value=1.1, other=T3072),
+    Target("model_shapes", "vs_peer", D256, "pallas", value=0.7, peer="cudnn"),
+    # Timing noise of a median over rounds is ~2%: "not slower" allows 3%.
+    Target("model_shapes", "vs_baseline", FA2_QUICK, "pallas", "fwd", 0.97),
+    Target("model_shapes", "vs_baseline", FA2_QUICK, "pallas", "fwd+bwd", 0.97),
+    # Hopper forward (Mosaic GPU) against cuDNN; 1.05 is FlashAttention-3's margin on an H100.
+    Target("hopper_fwd", "vs_peer", HOPPER_CELLS, "mosaic_gpu", "fwd", 1.0, "cudnn"),
+    Target("hopper_fwd_stretch", "vs_peer", HOPPER_CELLS, "mosaic_gpu", "fwd", 1.05, "cudnn"),
+    Target("hopper_fwd", "resolves", HOPPER_CELLS, "mosaic_gpu", "fwd"),
+    # Hopper backward (Mosaic GPU) against cuDNN.
+    Target("hopper_bwd", "vs_peer", HOPPER_CELLS + (GQA,), "mosaic_gpu", value=1.0, peer="cudnn"),
+    Target("hopper_bwd", "vs_peer", (MQA,), "mosaic_gpu", value=0.9, peer="cudnn"),
+    Target("hopper_bwd", "compile_s", HOPPER_CELLS + (GQA, MQA), "mosaic_gpu", value=15.0),
+)
+# jflash temp bytes of fwd+bwd <= 1.1x JAX Pallas mha's at 32K (the memory table).
+MEMORY_TARGET = (32768, 1.1)
+
+# -- block sweep -------------------------------------------------------------------------
+SWEEP_SHAPES = {128: 16384, 64: 4096}   # head_dim -> seq: the FA-2 grid's long cells
+SWEEP_BUDGET_S = 160                    # split evenly over (d, causal, pass)
+SWEEP_PASSES = ("fwd", "dkv", "dq")
+# Which Pallas tile fields each pass sets: (rows of Q, rows of K/V, warps, stages).
+SWEPT_FIELDS = {"fwd": ("block_q", "block_k", "num_warps", "num_stages"),
+                "dkv": ("block_q_dkv", "block_k_dkv", "num_warps_dkv", "num_stages_dkv"),
+                "dq": ("block_q_dq", "block_k_dq", "num_warps_dq", "num_stages_dq")}
+# Candidates per kernel, most promising first. The dK/dV and dQ passes each time the
+# whole backward with the other kernel at jflash's table, so the best of each combine
+# (the kernels run one after the other).
+SWEEP_CANDIDATES = {
+    "fwd": {
+        64: ((64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3),
+             (128, 128, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3)),
+        128: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2),
+              (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 3))},
+    "dkv": {
+        64: ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+             (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 4), (128, 64, 4, 2)),
+        128: ((32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+              (64, 128, 8, 2), (128, 128, 8, 2))},
+    "dq": {
+        64: ((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2), (64, 32, 4, 3),
+             (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)),
+        128: ((128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3),
+              (128, 64, 4, 2))},
+}
+SMOKE_SWEEP_SHAPES = {32: 256}
+SMOKE_SWEEP_CANDIDATES = ((64, 64, 4, 3),)   # "xla_chunked" reads only block_k
