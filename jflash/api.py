@@ -24,6 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend
+import jax.interpreters.ad
+import jax.interpreters.batching
+import jax.interpreters.mlir
 import jax.numpy as jnp
 import numpy as np
 
@@ -387,29 +391,58 @@ def _flash_bwd(impl, cfg, res, cotangents):
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
-# What JAX says when forward-mode autodiff meets a custom_vjp (jax/_src/interpreters/ad.py).
+# -- forward-mode autodiff --------------------------------------------------------------
+# The custom_vjp defines reverse mode only (the recompute backward). JAX's own error for
+# a jvp of a custom_vjp names neither jflash nor the way out, so every differentiable
+# input first passes an identity whose tangent goes through `_reverse_mode_only_p`: a
+# linear primitive that transposes to the identity (reverse mode never evaluates it)
+# and raises the error below when forward mode evaluates it (eagerly, or when a jitted
+# jvp is compiled).
+
+def _forward_mode_error(*_, **__):
+  raise NotImplementedError(
+      "jflash.attention defines reverse-mode gradients only (jax.grad, jax.vjp) for its "
+      "flash implementations ('xla_chunked', 'pallas', 'hip'); forward-mode autodiff "
+      "(jax.jvp, jax.jacfwd, jax.linearize, check_grads(modes=['fwd'])) is not "
+      "implemented for them: use implementation='xla', which JAX differentiates in "
+      "both modes")
+
+
+_reverse_mode_only_p = jax.extend.core.Primitive("jflash_reverse_mode_only")
+_reverse_mode_only_p.def_impl(_forward_mode_error)
+_reverse_mode_only_p.def_abstract_eval(lambda t: t)
+jax.interpreters.ad.deflinear2(_reverse_mode_only_p, lambda ct, t: [ct])
+jax.interpreters.batching.primitive_batchers[_reverse_mode_only_p] = (
+    lambda args, dims: (_reverse_mode_only_p.bind(*args), dims[0]))
+jax.interpreters.mlir.register_lowering(_reverse_mode_only_p, _forward_mode_error)
+
+
+@jax.custom_jvp
+def _reverse_mode_only(x):
+  return x
+
+
+@_reverse_mode_only.defjvp
+def _reverse_mode_only_jvp(primals, tangents):
+  return primals[0], _reverse_mode_only_p.bind(tangents[0])
+
+
+# What JAX raises when a batched forward-mode tangent (jax.jacfwd under jit) reaches the
+# custom_vjp before the primitive above is evaluated (jax/_src/interpreters/ad.py).
 _JAX_FORWARD_MODE_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp"
 
 
 def _flash_call(q, k, v, masks, impl, cfg):
-  """`_flash`, with JAX's generic forward-mode error turned into one that says what to do.
-
-  The custom_vjp defines reverse mode only (the recompute backward); `jax.jvp`,
-  `jax.jacfwd` and `check_grads(modes=["fwd"])` reach JAX's `custom_lin` rule, which
-  raises when it is evaluated. It is evaluated here when the jvp runs eagerly (also under
-  vmap, as in jacfwd); under `jax.jit(jax.jvp(...))` it is only staged and JAX's own
-  message surfaces at compile time.
-  """
+  """`_flash` with forward-mode autodiff turned into jflash's NotImplementedError."""
+  guard = _reverse_mode_only
+  if masks.bias is not None:
+    masks = dataclasses.replace(masks, bias=guard(masks.bias))
   try:
-    return _flash(q, k, v, masks, impl, cfg)
+    return _flash(guard(q), guard(k), guard(v), masks, impl, cfg)
   except TypeError as e:
     if _JAX_FORWARD_MODE_ERROR not in str(e):
       raise
-    raise NotImplementedError(
-        f"jflash.attention(implementation={impl.name!r}) defines reverse-mode gradients "
-        "only (jax.grad, jax.vjp); forward-mode autodiff (jax.jvp, jax.jacfwd, "
-        "check_grads(modes=['fwd'])) is not implemented for it: use "
-        "implementation='xla', which JAX differentiates in both modes") from e
+    _forward_mode_error()
 
 
 def first_order_only(fn: Callable, what: str) -> Callable:

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 import jflash
 from jflash import api
@@ -182,3 +183,37 @@ def test_pallas_rejects_head_dim_above_256():
 def test_hip_on_cpu_is_not_implemented():
   with pytest.raises(NotImplementedError):
     jflash.attention(*qkv(dtype=jnp.float16), implementation="hip")
+
+
+_FORWARD_MODE = {
+    "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
+    "jit_jvp": lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+    "jit_jacfwd": lambda f, x: jax.jit(jax.jacfwd(f))(x),
+    "linearize": lambda f, x: jax.linearize(f, x)[1](x),
+    "check_grads_fwd": lambda f, x: check_grads(f, (x,), order=1, modes=["fwd"]),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(_FORWARD_MODE))
+@pytest.mark.parametrize("wrt", ["query", "bias"])
+def test_forward_mode_names_jflash_and_the_way_out(transform, wrt):
+  q, k, v = qkv(T=4, S=4, H=8)
+  bias = jnp.zeros((1, 1, 4, 4))
+  f = {"query": lambda q: jflash.attention(q, k, v, bias, implementation="xla_chunked"),
+       "bias": lambda b: jflash.attention(q, k, v, b, implementation="xla_chunked")}[wrt]
+  with pytest.raises(NotImplementedError, match=r"jflash.attention defines reverse-mode"
+                     r"(.|\n)*use implementation='xla'"):
+    _FORWARD_MODE[transform](f, q if wrt == "query" else bias)
+
+
+def test_forward_mode_through_xla_and_reverse_mode_unchanged():
+  # The way out works (checked against finite differences in float64), and the guard
+  # the flash paths put on their inputs is the identity for reverse mode, also twice.
+  with jax.enable_x64(True):
+    q, k, v = qkv(T=5, S=6, H=4, dtype=jnp.float64)
+    xla = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation="xla")
+    check_grads(xla, (q, k, v), order=1, modes=["fwd"])
+    chunked = lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
+                                               implementation="xla_chunked")
+    check_grads(chunked, (q, k, v), order=2, modes=["rev"])
