@@ -17,7 +17,7 @@ demo: setup
 	$(PY) experiments/seq_scaling.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 hip: setup
 	$(PY) -m hip_ffi.build

@@ -28,8 +28,8 @@ zigzag layout as in Megatron-LM context parallelism / zhuzilin's ring-flash-atte
             (`chunk_pairs_per_device`). `layout="contiguous"` keeps the natural order;
             it skips the fully masked blocks too, but device i then does 4i+3 pairs.
   segments  packed-document ids: the query ids stay home, the key ids travel with their
-            block (int32 [B, S/P], small next to K/V) and each block call gets both as
-            mask arrays (`extras=`); blocks that segments alone mask fully are not skipped.
+            block (int32 [B, S/P], small next to K/V) and each block call gets both in
+            its `Masks`; blocks that segments alone mask fully are not skipped.
 
 Bytes one device sends per call, with kv = B * (S/P) * K * H * itemsize: forward
 2(P-1) kv; backward 2(P-1) kv for the blocks plus 2P kv' for the dK/dV accumulators

@@ -174,10 +174,22 @@ def test_residuals_are_exactly_q_k_v_out_lse():
   assert shapes == sorted([q.shape, k.shape, v.shape, q.shape, (1, 2, 64)]), shapes
 
 
-def test_pallas_rejects_head_dim_above_256():
+def test_head_dim_limits_per_implementation():
+  # The README's table: "xla" and "xla_chunked" take any head_dim >= 1, "pallas" up to
+  # 256 (a NotImplementedError from the implementation that cannot, so a sequence of
+  # names moves on); head_dim 0 is an invalid value for all (ValueError).
   q, k, v = qkv(H=300)
+  want, _ = jflash.attention_numpy(q, k, v)
+  for impl in ("xla", "xla_chunked"):
+    np.testing.assert_allclose(jflash.attention(q, k, v, implementation=impl), want,
+                               atol=1e-5, err_msg=impl)
   with pytest.raises(NotImplementedError, match="head_dim <= 256, got 300"):
     jflash.attention(q, k, v, implementation="pallas")
+  np.testing.assert_allclose(
+      jflash.attention(q, k, v, implementation=("pallas", "xla_chunked")), want, atol=1e-5)
+  for impl in ("xla", "xla_chunked", "pallas", "hip"):
+    with pytest.raises(ValueError, match="head_dim length must be >= 1, got 0"):
+      jflash.attention(*qkv(H=0), implementation=impl)
 
 
 def test_hip_on_cpu_is_not_implemented():
