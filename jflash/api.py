@@ -526,10 +526,10 @@ def attention(
 
   Returns:
     `[B, T, N, H]` in the input dtype, or `(out, lse)`. A query row that the masks
-    leave without a visible key returns zeros (and finite gradients), never NaN; this
-    holds with a bias too, where `jax.nn.dot_product_attention` returns the mean of
-    the values for such a row (its masked logits are a large finite negative number,
-    not -inf). A NaN or inf in a visible logit reaches the output and the gradients.
+    leave without a visible key returns zeros (and finite gradients), never NaN, with
+    or without a bias; `jax.nn.dot_product_attention` returns the mean of the values
+    for such a row (it masks with a large finite negative logit, so the row's softmax
+    is uniform). A NaN or inf in a visible logit reaches the output and the gradients.
 
   Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) is implemented only by "xla"; the
   others define reverse mode (`jax.grad`) and raise `NotImplementedError`.

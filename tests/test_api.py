@@ -229,3 +229,17 @@ def test_forward_mode_through_xla_and_reverse_mode_unchanged():
     chunked = lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
                                                implementation="xla_chunked")
     check_grads(chunked, (q, k, v), order=2, modes=["rev"])
+
+
+def test_row_the_masks_empty_is_zeros_where_jax_nn_gives_the_mean_of_v():
+  # The documented difference from jax.nn (README, attention's docstring), with a bias:
+  # row 2 of the mask hides every key.
+  q, k, v = qkv(T=4, S=4, N=1, K=1)
+  mask = jnp.ones((1, 1, 4, 4), bool).at[0, 0, 2, :].set(False)
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, 4, 4)), jnp.float32)
+  theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
+  np.testing.assert_allclose(theirs[0, 2, 0], v[0, :, 0].mean(0), atol=1e-6)
+  for impl in ("xla", "xla_chunked"):
+    ours = jflash.attention(q, k, v, bias, mask, implementation=impl)
+    np.testing.assert_array_equal(ours[0, 2], 0)
+    np.testing.assert_allclose(np.delete(ours, 2, 1), np.delete(theirs, 2, 1), atol=1e-6)
