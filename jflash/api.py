@@ -24,12 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend
-import jax.interpreters.ad
-import jax.interpreters.batching
-import jax.interpreters.mlir
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jflash.config import BackendConfig
 from jflash.masks import Masks, seed_from_key
@@ -408,13 +406,13 @@ def _forward_mode_error(*_, **__):
       "both modes")
 
 
-_reverse_mode_only_p = jax.extend.core.Primitive("jflash_reverse_mode_only")
+_reverse_mode_only_p = Primitive("jflash_reverse_mode_only")
 _reverse_mode_only_p.def_impl(_forward_mode_error)
 _reverse_mode_only_p.def_abstract_eval(lambda t: t)
-jax.interpreters.ad.deflinear2(_reverse_mode_only_p, lambda ct, t: [ct])
-jax.interpreters.batching.primitive_batchers[_reverse_mode_only_p] = (
+ad.deflinear2(_reverse_mode_only_p, lambda ct, t: [ct])
+batching.primitive_batchers[_reverse_mode_only_p] = (
     lambda args, dims: (_reverse_mode_only_p.bind(*args), dims[0]))
-jax.interpreters.mlir.register_lowering(_reverse_mode_only_p, _forward_mode_error)
+mlir.register_lowering(_reverse_mode_only_p, _forward_mode_error)
 
 
 @jax.custom_jvp

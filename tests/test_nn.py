@@ -320,6 +320,21 @@ def test_window_and_segment_options():
     jnn.Attention(32, 4, implementation="cudnn", local_window_size=(8, 0), rngs=nnx.Rngs(0))
 
 
+def test_attention_module_validates_options_at_construction():
+  # jflash.prepare on the head shapes: bad values fail when the module is built.
+  with pytest.raises(ValueError, match="local_window_size"):
+    jnn.Attention(32, 4, local_window_size=(-1, 0), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="for implementation 'pallas', which is not among"):
+    jnn.Attention(32, 4, implementation="xla_chunked", config=jflash.PallasConfig(),
+                  rngs=nnx.Rngs(0))
+  attn = jnn.Attention(32, 4, implementation="xla_chunked", use_rope=False,
+                       config=jflash.ChunkedConfig(4), rngs=nnx.Rngs(0))
+  x = _x((1, 10, 32))
+  q, k, v = attn.query(x), attn.key(x), attn.value(x)
+  want = attn.out(jflash.attention(q, k, v, is_causal=True, implementation="xla"))
+  np.testing.assert_allclose(attn(x), want, atol=1e-5, rtol=1e-5)
+
+
 def test_lm_config_validates():
   with pytest.raises(ValueError, match="num_kv_heads"):
     jnn.LMConfig(num_heads=4, num_kv_heads=3)
