@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -53,7 +53,7 @@ def _per_block(T, opts, bq, bk, masks=None, transpose=False):
       q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids)
   r = np.asarray(build_ranges(ops, opts, B=B, T=T, S=T, block_q=bq, block_k=bk,
                               transpose=transpose))
-  per_block = r[..., 3] - r[..., 0]
+  per_block = r[..., 3] - r[..., 0]  # hi - lo of (lo, full_lo, full_hi, hi, q_len, kv_len, ...)
   if not transpose:
     static = Masks(is_causal=opts.is_causal, window=opts.window)
     classes = tile_classes(B=B, T=T, S=T, block_q=bq, block_k=bk,
