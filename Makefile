@@ -19,7 +19,7 @@ demo: setup
 	$(PY) -m experiments.seq_scaling $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 hip: setup
 	$(PY) -m hip_ffi.build

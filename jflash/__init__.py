@@ -5,19 +5,26 @@ from jflash.api import (
     attention,
     available_implementations,
     default_implementation,
+    prepare,
 )
+from jflash.config import BackendConfig, ChunkedConfig, HipConfig, PallasConfig
+from jflash.masks import Masks
 from jflash.reference import attention_numpy, attention_tiled_numpy, attention_xla
-from pallas_kernels.tuning import BlockSizes
 
 __all__ = [
     "AttentionConfig",
-    "BlockSizes",
+    "BackendConfig",
+    "ChunkedConfig",
+    "HipConfig",
+    "Masks",
+    "PallasConfig",
     "attention",
     "attention_numpy",
     "attention_tiled_numpy",
     "attention_xla",
     "available_implementations",
     "default_implementation",
+    "prepare",
 ]
 __version__ = "0.1.0"
 

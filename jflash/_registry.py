@@ -1,33 +1,35 @@
 """The built-in implementations, registered lazily so `import jflash` stays light."""
 from __future__ import annotations
 
+from jflash import config
 from jflash.api import Implementation, register_implementation
 
 
 def _xla():
   from jflash import reference
 
-  def direct(q, k, v, cfg, extras=None):
-    return reference.attention_xla(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal,
-                                   cfg=cfg, extras=extras)
+  def direct(q, k, v, cfg, masks):
+    return reference.attention_xla(q, k, v, scale=cfg.scale, masks=masks)
   return Implementation("xla", direct=direct)
 
 
 def _xla_chunked():
   from jflash import chunked
-  return Implementation("xla_chunked", forward=chunked.forward, backward=chunked.backward)
+  return Implementation("xla_chunked", forward=chunked.forward, backward=chunked.backward,
+                        config_type=config.ChunkedConfig)
 
 
 def _pallas():
   from jflash import pallas_impl
   return Implementation("pallas", forward=pallas_impl.forward,
-                        backward=pallas_impl.backward, supports=pallas_impl.supports)
+                        backward=pallas_impl.backward, supports=pallas_impl.supports,
+                        config_type=config.PallasConfig)
 
 
 def _hip():
   from jflash import hip_impl
   return Implementation("hip", forward=hip_impl.forward, backward=hip_impl.backward,
-                        supports=hip_impl.supports)
+                        supports=hip_impl.supports, config_type=config.HipConfig)
 
 
 register_implementation("xla", _xla)

@@ -1,12 +1,15 @@
-"""The public attention op: input checks, the implementation registry, the custom_vjp.
+"""The public attention op: the one validation (`prepare`), the implementation
+registry, the custom_vjp.
 
 Shape legend (as in `jax.nn.dot_product_attention`):
   B batch, T query length, S key/value length, N query heads, K key/value heads
   (N a multiple of K: GQA/MQA), H head dim.
 
 Every flash-type implementation ("pallas", "xla_chunked", "hip") provides
-`forward(q, k, v, cfg) -> (out, lse)` and
-`backward(q, k, v, out, lse, dout, dlse, cfg) -> (dq, dk, dv)`. They are bound here by one
+`forward(q, k, v, cfg, masks) -> (out, lse)` and
+`backward(q, k, v, out, lse, dout, dlse, cfg, masks) -> (dq, dk, dv)`, with `cfg` an
+`AttentionConfig` (scale, backend configs) and `masks` the `jflash.masks.Masks` record
+(every mask option and mask array). They are bound here by one
 `jax.custom_vjp` whose residuals are exactly `(q, k, v, out, lse)`: the backward pass
 recomputes the attention tiles from `lse` instead of storing the T x S probabilities
 (FlashAttention-2, section 3.1.2). The "xla" implementation is the standard
@@ -18,15 +21,15 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from jflash.masks import MaskArrays, seed_from_key
-from pallas_kernels.masking import MaskOptions
-from pallas_kernels.tuning import BlockSizes
+from jflash.config import BackendConfig
+from jflash.masks import Masks, seed_from_key
 
 Array = jax.Array
 
@@ -35,38 +38,41 @@ SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Static (hashable) options of one attention call, after validation."""
+  """Static (hashable) options of one attention call beyond its masks, after validation:
+  the logits scale and the backend configs the caller passed (`config=`)."""
 
   scale: float
-  is_causal: bool
-  block_sizes: BlockSizes | None = None
-  window: tuple[int, int] | None = None      # (left, right), jax.nn semantics
-  soft_cap: float | None = None
-  dropout_rate: float = 0.0
+  backend_configs: tuple[BackendConfig, ...] = ()
 
-  @property
-  def mask_options(self) -> MaskOptions:
-    return MaskOptions(is_causal=self.is_causal, window=self.window,
-                       soft_cap=self.soft_cap, dropout_rate=self.dropout_rate)
+  def backend_config(self, config_type: type[BackendConfig]) -> BackendConfig | None:
+    """The caller's config of this type, or None (the implementation's defaults)."""
+    for c in self.backend_configs:
+      if isinstance(c, config_type):
+        return c
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """One way of computing attention.
 
-  `forward`/`backward` for flash-type implementations (bound by the shared
-  custom_vjp); `direct` for one differentiated by plain autodiff. `supports`
-  raises `NotImplementedError` naming what is missing for a given call.
-
-  Masked calls pass `extras=MaskArrays(...)` as a keyword to all three; `backward`
-  then returns `(dq, dk, dv, dbias)` when `extras.bias` is set, else `(dq, dk, dv)`.
+  `forward(q, k, v, cfg, masks) -> (out, lse)` and
+  `backward(q, k, v, out, lse, dout, dlse, cfg, masks) -> (dq, dk, dv[, dbias])` for
+  flash-type implementations (bound by the shared custom_vjp); `direct(q, k, v, cfg,
+  masks) -> (out, lse)` for one differentiated by plain autodiff.
+  `supports(q, k, v, cfg, masks)` raises `NotImplementedError` naming what is missing
+  for a given call. `cfg` is an `AttentionConfig`, `masks` a `jflash.masks.Masks`
+  (always given, passed positionally); `backward` returns dbias when `masks.bias` is set.
+  `config_type` is the `jflash.config` class this implementation reads from
+  `cfg.backend_config(...)`, or None when it takes no config.
   """
 
   name: str
   forward: Callable[..., tuple[Array, Array]] | None = None
   backward: Callable[..., tuple[Array, Array, Array]] | None = None
   direct: Callable[..., tuple[Array, Array]] | None = None
-  supports: Callable[..., None] = lambda q, k, v, cfg, extras=None: None
+  supports: Callable[..., None] = lambda q, k, v, cfg, masks: None
+  config_type: type[BackendConfig] | None = None
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -159,44 +165,75 @@ def _check_dense(name, x, B, N, T, S, kind):
     raise ValueError(f"bias must be a float array, got bias.dtype={x.dtype}")
 
 
-def _make_config(query, key, *, scale, is_causal, block_sizes, local_window_size=None,
-                 logits_soft_cap=None, dropout_rate=0.0) -> AttentionConfig:
-  H = query.shape[-1]
+def _scale(scale, H) -> float:
   if scale is None:
-    scale = 1.0 / math.sqrt(H)
-  else:
-    if isinstance(scale, (bool, str)) or not isinstance(scale, (int, float, np.number)):
-      raise ValueError(f"scale must be a Python number or None, got {scale!r}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-      raise ValueError(f"scale must be finite, got {scale=}")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a jflash.BlockSizes, got {block_sizes!r}")
-  window = None
-  if local_window_size is not None:
-    w = local_window_size
-    if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
-      w = (int(w), int(w))
-    if (not isinstance(w, (tuple, list)) or len(w) != 2 or
-        not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
-                for x in w)):
-      raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of "
-                       f"ints >= 0, got {local_window_size!r}")
-    window = (int(w[0]), int(w[1]))
-  soft_cap = None
-  if logits_soft_cap is not None:
-    if (isinstance(logits_soft_cap, bool) or
-        not isinstance(logits_soft_cap, (int, float, np.number)) or
-        not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0)):
-      raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap!r}")
-    soft_cap = float(logits_soft_cap)
-  if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
-      or not 0.0 <= dropout_rate < 1.0):
-    raise ValueError(f"dropout_rate must be a number in [0, 1), got {dropout_rate!r}")
-  return AttentionConfig(scale=scale, is_causal=bool(is_causal), block_sizes=block_sizes,
-                         window=window, soft_cap=soft_cap, dropout_rate=float(dropout_rate))
+    return 1.0 / math.sqrt(H)
+  if isinstance(scale, (bool, str)) or not isinstance(scale, (int, float, np.number)):
+    raise ValueError(f"scale must be a Python number or None, got {scale!r}")
+  scale = float(scale)
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale=}")
+  return scale
+
+
+def _window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  w = local_window_size
+  if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+    w = (int(w), int(w))
+  if (not isinstance(w, (tuple, list)) or len(w) != 2 or
+      not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+              for x in w)):
+    raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of "
+                     f"ints >= 0, got {local_window_size!r}")
+  return int(w[0]), int(w[1])
+
+
+def _soft_cap(logits_soft_cap) -> float | None:
+  if logits_soft_cap is None:
+    return None
+  if (isinstance(logits_soft_cap, bool) or
+      not isinstance(logits_soft_cap, (int, float, np.number)) or
+      not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0)):
+    raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap!r}")
+  return float(logits_soft_cap)
+
+
+def _names(implementation) -> tuple[str, ...]:
+  """The candidate names of `implementation=` (None, a name or a sequence of names)."""
+  if implementation is None:
+    return default_implementation()
+  if isinstance(implementation, str):
+    return (implementation,)
+  if isinstance(implementation, Sequence) and implementation and all(
+      isinstance(n, str) for n in implementation):
+    return tuple(implementation)
+  raise ValueError(
+      f"implementation must be None, a name or a sequence of names, got {implementation!r}")
+
+
+def _backend_configs(config, implementation) -> tuple[BackendConfig, ...]:
+  """`config=` (None, one backend config or a sequence of them, one per backend), each
+  for one of the candidate implementations."""
+  if config is None:
+    return ()
+  configs = tuple(config) if isinstance(config, (tuple, list)) else (config,)
+  names = _names(implementation)
+  wanted = {get_implementation(n).config_type for n in names}
+  seen = set()
+  for c in configs:
+    if not isinstance(c, BackendConfig):
+      raise ValueError(f"config must be a jflash.config backend config (e.g. "
+                       f"jflash.PallasConfig) or a sequence of them, got {c!r}")
+    if c.backend in seen:
+      raise ValueError(f"config: two configs for backend {c.backend!r}")
+    seen.add(c.backend)
+    if type(c) not in wanted:
+      raise ValueError(
+          f"config={c!r} is for implementation {c.backend!r}, which is not among the "
+          f"candidate implementations {names}")
+  return configs
 
 
 def segment_id_arrays(segment_ids, B, T, S):
@@ -219,16 +256,49 @@ def segment_id_arrays(segment_ids, B, T, S):
   return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
 
 
-def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                 segment_ids, dropout_rate, dropout_rng) -> MaskArrays | None:
-  B, T, N, _ = query.shape
+def prepare(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    implementation: str | Sequence[str] | None = None,
+    config: BackendConfig | Sequence[BackendConfig] | None = None,
+) -> tuple[AttentionConfig, Masks]:
+  """Checks one attention call's inputs and options; returns `(cfg, masks)`.
+
+  The one validation of `jflash.attention`'s arguments (same names and meanings),
+  shared by `jflash.attention`, `jflash.parallel.ring_attention` and `jflash.nn`. Bad
+  input raises `ValueError` naming the value. `implementation` is only checked here
+  (known names, and that every `config` belongs to one of them); which implementation
+  runs is decided by `supports` at the call.
+  """
+  _check_inputs(query, key, value)
+  B, T, N, H = query.shape
   S = key.shape[1]
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+  if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
+      or not 0.0 <= dropout_rate < 1.0):
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {dropout_rate!r}")
+  cfg = AttentionConfig(scale=_scale(scale, H),
+                        backend_configs=_backend_configs(config, implementation))
   if bias is not None:
     _check_dense("bias", bias, B, N, T, S, "bias")
   if mask is not None:
     _check_dense("mask", mask, B, N, T, S, "mask")
     mask = jnp.asarray(mask)
-  q_lens = kv_lens = None
+  lengths = {}
   for name, x, n in (("query_seq_lengths", query_seq_lengths, T),
                      ("key_value_seq_lengths", key_value_seq_lengths, S)):
     if x is None:
@@ -238,33 +308,40 @@ def _make_extras(query, key, *, bias, mask, query_seq_lengths, key_value_seq_len
       bad = np.asarray(x)
       if bad.min() < 0 or bad.max() > n:
         raise ValueError(f"{name} must lie in [0, {n}], got {bad.tolist()}")
-    if name.startswith("query"):
-      q_lens = jnp.asarray(x, jnp.int32)
-    else:
-      kv_lens = jnp.asarray(x, jnp.int32)
+    lengths[name] = jnp.asarray(x, jnp.int32)
   q_seg, kv_seg = segment_id_arrays(segment_ids, B, T, S)
   seed = None
   if dropout_rate > 0:
     if dropout_rng is None:
       raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng key")
     seed = seed_from_key(dropout_rng)
-  extras = MaskArrays(bias=bias, mask=mask, q_lengths=q_lens, kv_lengths=kv_lens,
-                      q_segment_ids=q_seg, kv_segment_ids=kv_seg, dropout_seed=seed)
-  return None if all(x is None for x in jax.tree_util.tree_leaves(
-      extras, is_leaf=lambda x: x is None)) else extras
+  masks = Masks(is_causal=bool(is_causal), window=_window(local_window_size),
+                soft_cap=_soft_cap(logits_soft_cap), dropout_rate=float(dropout_rate),
+                bias=bias, mask=mask, q_lengths=lengths.get("query_seq_lengths"),
+                kv_lengths=lengths.get("key_value_seq_lengths"), q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg, dropout_seed=seed)
+  return cfg, masks
 
 
-def _zero_padding(query, key, value, extras: MaskArrays):
+# The keyword options of `jflash.attention` (and `prepare`): what adapters such as
+# jflash.nn accept and forward.
+OPTIONS = frozenset({
+    "bias", "mask", "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
+    "local_window_size", "segment_ids", "logits_soft_cap", "dropout_rate", "dropout_rng",
+    "implementation", "config", "return_residuals"})
+
+
+def _zero_padding(query, key, value, masks: Masks):
   """Zeroes rows past the sequence lengths: padding may hold anything (even NaN), and
   0 * NaN in P @ V would leak it into valid rows. One fused elementwise pass; the
   gradient of padded positions is zero, as it should be."""
   def clear(x, lengths):
     keep = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
     return jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
-  if extras.q_lengths is not None:
-    query = clear(query, extras.q_lengths)
-  if extras.kv_lengths is not None:
-    key, value = clear(key, extras.kv_lengths), clear(value, extras.kv_lengths)
+  if masks.q_lengths is not None:
+    query = clear(query, masks.q_lengths)
+  if masks.kv_lengths is not None:
+    key, value = clear(key, masks.kv_lengths), clear(value, masks.kv_lengths)
   return query, key, value
 
 
@@ -273,17 +350,7 @@ def resolve_implementation(implementation, check: Callable[[Implementation], Non
   """The first of `implementation` (None, a name, or a sequence of names) for which
   `check(impl)` does not raise `NotImplementedError`; the next name is tried only on
   that error, and unknown names fail before any is tried."""
-  if implementation is None:
-    names = default_implementation()
-  elif isinstance(implementation, str):
-    names = (implementation,)
-  elif isinstance(implementation, Sequence) and implementation and all(
-      isinstance(n, str) for n in implementation):
-    names = tuple(implementation)
-  else:
-    raise ValueError(
-        f"implementation must be None, a name or a sequence of names, got {implementation!r}")
-  impls = [get_implementation(n) for n in names]
+  impls = [get_implementation(n) for n in _names(implementation)]
   reasons = []
   for impl in impls:
     try:
@@ -297,32 +364,82 @@ def resolve_implementation(implementation, check: Callable[[Implementation], Non
 # -- the custom_vjp ---------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, extras, impl: Implementation, cfg: AttentionConfig):
-  return impl.forward(q, k, v, cfg, extras=extras)
+def _flash(q, k, v, masks, impl: Implementation, cfg: AttentionConfig):
+  return impl.forward(q, k, v, cfg, masks)
 
 
-def _flash_fwd(q, k, v, extras, impl, cfg):
-  out, lse = impl.forward(q, k, v, cfg, extras=extras)
-  return (out, lse), (q, k, v, extras, out, lse)
+def _flash_fwd(q, k, v, masks, impl, cfg):
+  out, lse = impl.forward(q, k, v, cfg, masks)
+  return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _flash_bwd(impl, cfg, res, cotangents):
-  q, k, v, extras, out, lse = res
+  q, k, v, masks, out, lse = res
   dout, dlse = cotangents
   # d lse_i / d s_ij = P_ij, so a cotangent on lse folds into delta:
   # dS = P * (dP - (rowsum(dO * O) - dlse)). Without return_residuals dlse is zero.
-  grads = impl.backward(q, k, v, out, lse, dout, dlse, cfg, extras=extras)
-  dextras = None
-  if extras is not None:
-    # Only the bias has a gradient; masks, lengths, ids and the seed are not
-    # differentiable (None stands for their zero cotangent).
-    dextras = dataclasses.replace(
-        jax.tree_util.tree_map(lambda _: None, extras),
-        bias=grads[3] if extras.bias is not None else None)
-  return (*grads[:3], dextras)
+  grads = impl.backward(q, k, v, out, lse, dout, dlse, cfg, masks)
+  # Only the bias has a gradient; masks, lengths, ids and the seed are not
+  # differentiable (None stands for their zero cotangent).
+  dmasks = dataclasses.replace(jax.tree_util.tree_map(lambda _: None, masks),
+                               bias=grads[3] if masks.bias is not None else None)
+  return (*grads[:3], dmasks)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+# -- forward-mode autodiff --------------------------------------------------------------
+# The custom_vjp defines reverse mode only (the recompute backward). JAX's own error for
+# a jvp of a custom_vjp names neither jflash nor the way out, so every differentiable
+# input first passes an identity whose tangent goes through `_reverse_mode_only_p`: a
+# linear primitive that transposes to the identity (reverse mode never evaluates it)
+# and raises the error below when forward mode evaluates it (eagerly, or when a jitted
+# jvp is compiled).
+
+def _forward_mode_error(*_, **__):
+  raise NotImplementedError(
+      "jflash.attention defines reverse-mode gradients only (jax.grad, jax.vjp) for its "
+      "flash implementations ('xla_chunked', 'pallas', 'hip'); forward-mode autodiff "
+      "(jax.jvp, jax.jacfwd, jax.linearize, check_grads(modes=['fwd'])) is not "
+      "implemented for them: use implementation='xla', which JAX differentiates in "
+      "both modes")
+
+
+_reverse_mode_only_p = Primitive("jflash_reverse_mode_only")
+_reverse_mode_only_p.def_impl(_forward_mode_error)
+_reverse_mode_only_p.def_abstract_eval(lambda t: t)
+ad.deflinear2(_reverse_mode_only_p, lambda ct, t: [ct])
+batching.primitive_batchers[_reverse_mode_only_p] = (
+    lambda args, dims: (_reverse_mode_only_p.bind(*args), dims[0]))
+mlir.register_lowering(_reverse_mode_only_p, _forward_mode_error)
+
+
+@jax.custom_jvp
+def _reverse_mode_only(x):
+  return x
+
+
+@_reverse_mode_only.defjvp
+def _reverse_mode_only_jvp(primals, tangents):
+  return primals[0], _reverse_mode_only_p.bind(tangents[0])
+
+
+# What JAX raises when a batched forward-mode tangent (jax.jacfwd under jit) reaches the
+# custom_vjp before the primitive above is evaluated (jax/_src/interpreters/ad.py).
+_JAX_FORWARD_MODE_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp"
+
+
+def _flash_call(q, k, v, masks, impl, cfg):
+  """`_flash` with forward-mode autodiff turned into jflash's NotImplementedError."""
+  guard = _reverse_mode_only
+  if masks.bias is not None:
+    masks = dataclasses.replace(masks, bias=guard(masks.bias))
+  try:
+    return _flash(guard(q), guard(k), guard(v), masks, impl, cfg)
+  except TypeError as e:
+    if _JAX_FORWARD_MODE_ERROR not in str(e):
+      raise
+    _forward_mode_error()
 
 
 def first_order_only(fn: Callable, what: str) -> Callable:
@@ -363,7 +480,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     implementation: str | Sequence[str] | None = None,
-    block_sizes: BlockSizes | None = None,
+    config: BackendConfig | Sequence[BackendConfig] | None = None,
     return_residuals: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Exact scaled dot-product attention in linear memory.
@@ -392,32 +509,39 @@ def attention(
     dropout_rate: attention dropout probability in [0, 1); needs `dropout_rng`. The
       keep mask is a counter-based hash of (seed, batch, head, row, col), regenerated
       in the backward pass, never stored.
-    dropout_rng: a PRNG key.
+    dropout_rng: one PRNG key (`jax.random.key(seed)`, or the uint32[2] of
+      `jax.random.PRNGKey(seed)`).
     implementation: "pallas", "xla_chunked", "xla", "hip", a sequence of these
       (the next is tried only when one raises `NotImplementedError`), or None for
       the best on the default backend (GPU: pallas; CPU: xla_chunked).
-    block_sizes: tile sizes for the pallas kernels; None picks per-head_dim defaults.
+    config: a backend config (`jflash.PallasConfig`, `jflash.ChunkedConfig`,
+      `jflash.HipConfig`) or a sequence of them, one per backend; each tunes only its
+      own implementation, and one whose implementation is not a candidate of
+      `implementation=` is a ValueError. None: every implementation's defaults.
     return_residuals: also return `lse` `[B, N, T]` (natural log, float32; float64
       for float64 inputs; -inf for a row that sees no key).
 
   Returns:
-    `[B, T, N, H]` in the input dtype, or `(out, lse)`. A query row that sees no key
-    returns zeros (and finite gradients), never NaN.
+    `[B, T, N, H]` in the input dtype, or `(out, lse)`. A query row that the masks
+    leave without a visible key returns zeros (and finite gradients), never NaN, with
+    or without a bias; `jax.nn.dot_product_attention` returns the mean of the values
+    for such a row (it masks with a large finite negative logit, so the row's softmax
+    is uniform). A NaN or inf in a visible logit reaches the output and the gradients.
+
+  Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) is implemented only by "xla"; the
+  others define reverse mode (`jax.grad`) and raise `NotImplementedError`.
   """
-  _check_inputs(query, key, value)
-  cfg = _make_config(query, key, scale=scale, is_causal=is_causal, block_sizes=block_sizes,
-                     local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-                     dropout_rate=dropout_rate)
-  extras = _make_extras(query, key, bias=bias, mask=mask,
-                        query_seq_lengths=query_seq_lengths,
-                        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                        dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
+  cfg, masks = prepare(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      implementation=implementation, config=config)
   impl = resolve_implementation(
-      implementation, lambda impl: impl.supports(query, key, value, cfg, extras=extras))
-  if extras is not None:
-    query, key, value = _zero_padding(query, key, value, extras)
+      implementation, lambda impl: impl.supports(query, key, value, cfg, masks))
+  query, key, value = _zero_padding(query, key, value, masks)
   if impl.direct is not None:
-    out, lse = impl.direct(query, key, value, cfg, extras=extras)
+    out, lse = impl.direct(query, key, value, cfg, masks)
   else:
-    out, lse = _flash(query, key, value, extras, impl, cfg)
+    out, lse = _flash_call(query, key, value, masks, impl, cfg)
   return (out, lse) if return_residuals else out

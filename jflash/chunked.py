@@ -11,12 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jflash.config import ChunkedConfig
 from jflash.masks import masked_logits
 from jflash.reference import stat_dtype
-
-# Keys per scan step. Large enough that each step is a real matmul on a CPU, small
-# enough that the [T, block] score tile stays far below the T x S matrix.
-DEFAULT_BLOCK_K = 256
 
 
 def _blocks(x, block):
@@ -28,11 +25,11 @@ def _blocks(x, block):
 
 
 def _block_k(cfg, S):
-  bk = cfg.block_sizes.block_k if cfg.block_sizes is not None else DEFAULT_BLOCK_K
-  return max(1, min(bk, S))
+  own = cfg.backend_config(ChunkedConfig) or ChunkedConfig()
+  return min(own.block_k, S)
 
 
-def forward(q, k, v, cfg, extras=None):
+def forward(q, k, v, cfg, masks):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -44,11 +41,11 @@ def forward(q, k, v, cfg, extras=None):
     m_i, l_i, o = carry
     kj, vj, j0 = xs
     raw = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
-    s, _, drop = masked_logits(raw, j0 + jnp.arange(bk), cfg, extras, K=K, G=G, S=S)
+    s, _, drop = masked_logits(raw, j0 + jnp.arange(bk), masks, K=K, G=G, S=S)
     # -- update m_i and l_i; a row with nothing visible yet keeps m = -inf, so use a
     # finite stand-in to keep exp() free of (-inf) - (-inf).
     m_new = jnp.maximum(m_i, s.max(-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+    m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
     alpha = jnp.exp(m_i - m_safe)
     p = jnp.exp(s - m_safe[..., None])
     l_i = alpha * l_i + p.sum(-1)  # the normaliser counts every visible key...
@@ -69,7 +66,11 @@ def forward(q, k, v, cfg, extras=None):
   # 441 MiB instead of 249 at T = 8192 for two scanned layers).
   (m_i, l_i, o), _ = lax.scan(jax.checkpoint(step), init,
                               (_blocks(k, bk), _blocks(v, bk), starts))
-  has = l_i > 0  # a fully masked row gives zeros and lse = -inf
+  # A row the masks empty has l = 0 exactly (every p is exp(-inf) = 0) and gives zeros
+  # and lse = -inf. Any visible key adds exp(0) = 1 for the row maximum, so l >= 1; a
+  # NaN or inf logit makes l NaN or inf, which must reach the output, so the test is
+  # l != 0 (NaN != 0 holds), not l > 0.
+  has = l_i != 0
   l_safe = jnp.where(has, l_i, 1)
   out = jnp.where(has[..., None], o / l_safe[..., None], 0)
   lse = jnp.where(has, m_i + jnp.log(l_safe), -jnp.inf)
@@ -77,7 +78,7 @@ def forward(q, k, v, cfg, extras=None):
   return out, lse.reshape(B, N, T)
 
 
-def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
+def backward(q, k, v, out, lse, dout, dlse, cfg, masks):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -90,13 +91,14 @@ def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc))
   delta = (delta - dlse.astype(acc)).reshape(B, K, G, T)
   lse = lse.reshape(B, K, G, T)
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # a row with no key: P = 0
-  bias = None if extras is None else extras.bias
+  # A row with no key (lse = -inf) gets P = exp(s - inf) = 0; a NaN lse stays NaN.
+  lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  bias = masks.bias
 
   def step(dq, xs):
     kj, vj, j0 = xs
     raw = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=acc) * cfg.scale
-    s, t, drop = masked_logits(raw, j0 + jnp.arange(bk), cfg, extras, K=K, G=G, S=S)
+    s, t, drop = masked_logits(raw, j0 + jnp.arange(bk), masks, K=K, G=G, S=S)
     p = jnp.exp(s - lse_safe[..., None])  # recomputed P; hidden entries are exp(-inf) = 0
     pd = p if drop is None else p * drop
     dv = jnp.einsum("bkgts,btkgh->bskh", pd.astype(q.dtype), dog, preferred_element_type=acc)

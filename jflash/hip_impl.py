@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import hip_ffi
 from jflash import chunked
 from jflash.api import first_order_only
+from jflash.config import HipConfig
 
 _LOWERING_FOR: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
     "jflash_hip_lowering_for", default=frozenset())
@@ -43,12 +44,13 @@ def lowering_for(*platforms: str):
 
 
 def _tile(q, cfg) -> int:
-  """Row of the kernel's tile table: 0 by default, else the one matching block_sizes."""
+  """Row of the kernel's tile table: 0 by default, else the one matching the HipConfig."""
   H = q.shape[-1]
   rows = hip_ffi.tile_table()[H]
-  if cfg.block_sizes is None:
+  own = cfg.backend_config(HipConfig)
+  if own is None or own.block_q is None:
     return 0
-  want = (cfg.block_sizes.block_q, cfg.block_sizes.block_k)
+  want = (own.block_q, own.block_k)
   for i, (bq, bk, _) in enumerate(rows):
     if (bq, bk) == want:
       return i
@@ -57,13 +59,10 @@ def _tile(q, cfg) -> int:
       f"available: {[r[:2] for r in rows]}")
 
 
-def supports(q, k, v, cfg, extras=None) -> None:
-  if extras is not None:
-    raise NotImplementedError(
-        "the kernel has no bias, mask, sequence lengths, segment ids or dropout")
-  for opt, off in (("window", None), ("soft_cap", None), ("dropout_rate", 0.0)):
-    if getattr(cfg, opt, off) != off:
-      raise NotImplementedError(f"the kernel has no {opt} (got {getattr(cfg, opt)!r})")
+def supports(q, k, v, cfg, masks) -> None:
+  lacking = [name for name in masks.in_use() if name != "is_causal"]
+  if lacking:
+    raise NotImplementedError(f"the kernel has causal masking only, no {', '.join(lacking)}")
   if q.dtype != jnp.float16:
     raise NotImplementedError(
         f"the gfx906 kernel computes in float16 (v_dot2_f32_f16); got dtype={q.dtype}")
@@ -86,14 +85,13 @@ def supports(q, k, v, cfg, extras=None) -> None:
         "inside jflash.hip_impl.lowering_for('rocm')")
 
 
-def forward(q, k, v, cfg, extras=None):
-  del extras  # None: supports() refuses the rest
+def forward(q, k, v, cfg, masks):
+  # supports() refused every mask option but is_causal
   fwd = lambda q, k, v: hip_ffi.flash_forward(q, k, v, scale=cfg.scale,
-                                              is_causal=cfg.is_causal, tile=_tile(q, cfg))
+                                              is_causal=masks.is_causal, tile=_tile(q, cfg))
   return first_order_only(fwd, "the hip forward kernel")(q, k, v)
 
 
-def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
-  del extras
+def backward(q, k, v, out, lse, dout, dlse, cfg, masks):
   # FlashAttention-2 recompute backward in plain JAX from the kernel's (out, lse).
-  return chunked.backward(q, k, v, out, lse, dout, dlse, cfg)
+  return chunked.backward(q, k, v, out, lse, dout, dlse, cfg, masks)

@@ -22,15 +22,28 @@ import numpy as np
 
 Array = jax.Array
 
-from pallas_kernels.masking import (  # noqa: F401  (re-exported)
-    BOUNDARY, FULL, SKIP, classes_static, dropout_keep, dropout_keep_numpy, dropout_row_key,
-    ranges_from_classes)
+from pallas_kernels.masking import (
+    BOUNDARY, FULL, SKIP, classes_static, dropout_keep, dropout_row_key, ranges_from_classes)
+
+_STATIC = ("is_causal", "window", "soft_cap", "dropout_rate")
+_ARRAYS = ("bias", "mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
+           "dropout_seed")
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskArrays:
-  """The per-call arrays of a masked attention (any field may be None)."""
+class Masks:
+  """Everything of one attention call that decides which logits a query sees and how
+  they are shaped beyond `scale * q.k`: the one mask record every implementation takes.
 
+  The static options are part of the compiled program (pytree metadata); the arrays are
+  per-call data (pytree leaves, any of them None). `jflash.prepare` builds it from the
+  keyword options of `jflash.attention`.
+  """
+
+  is_causal: bool = False                   # query i sees keys j <= i (top-left aligned)
+  window: tuple[int, int] | None = None     # (left, right): i - left <= j <= i + right
+  soft_cap: float | None = None             # logits -> cap * tanh(logits / cap)
+  dropout_rate: float = 0.0                 # keep mask from dropout_seed, see below
   bias: Array | None = None                 # [B|1, N|1, T, S] float, added to logits
   mask: Array | None = None                 # [B|1, N|1, T, S] bool, True = attend
   q_lengths: Array | None = None            # [B] int32
@@ -44,17 +57,20 @@ class MaskArrays:
     """Lengths or segment ids: tile ranges depend on the data."""
     return any(x is not None for x in (self.q_lengths, self.kv_lengths, self.q_segment_ids))
 
+  def in_use(self) -> tuple[str, ...]:
+    """Names of the fields that change the result (non-default options, set arrays);
+    what an implementation that lacks some of them checks in `supports`."""
+    default = Masks()
+    return tuple(n for n in _STATIC if getattr(self, n) != getattr(default, n)) + tuple(
+        n for n in _ARRAYS if getattr(self, n) is not None)
 
-jax.tree_util.register_dataclass(
-    MaskArrays,
-    data_fields=[f.name for f in dataclasses.fields(MaskArrays)],
-    meta_fields=[])
+
+jax.tree_util.register_dataclass(Masks, data_fields=list(_ARRAYS), meta_fields=list(_STATIC))
 
 
-def dense_keep_numpy(B, N, T, S, *, is_causal=False, window=None, masks: MaskArrays = None,
-                     dropout_rate=0.0):
-  """The whole [B, N, T, S] visibility (and dropout keep) for references and tests."""
-  masks = masks or MaskArrays()
+def dense_keep_numpy(B, N, T, S, masks: Masks):
+  """The whole [B, N, T, S] visibility (without dropout) for references and tests."""
+  is_causal, window = masks.is_causal, masks.window
   rows = np.arange(T)[None, None, :, None]
   cols = np.arange(S)[None, None, None, :]
   keep = np.ones((B, N, T, S), bool)
@@ -75,7 +91,16 @@ def dense_keep_numpy(B, N, T, S, *, is_causal=False, window=None, masks: MaskArr
 
 
 def seed_from_key(rng) -> Array:
-  """A uint32 seed from a PRNG key (typed or raw uint32[2])."""
+  """A uint32 seed from a PRNG key: a typed key or a raw uint32[2] one (the output of
+  `jax.random.PRNGKey`). Anything else is a ValueError naming `dropout_rng`."""
+  dtype = getattr(rng, "dtype", None)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw = dtype == jnp.uint32 and tuple(getattr(rng, "shape", ())) == (2,)
+  if not (typed and rng.shape == ()) and not raw:
+    raise ValueError(
+        "dropout_rng must be one PRNG key (jax.random.key(seed) or the uint32[2] of "
+        f"jax.random.PRNGKey(seed)), got dtype={dtype}, "
+        f"shape={tuple(getattr(rng, 'shape', ())) if dtype is not None else type(rng).__name__}")
   return jax.random.bits(rng, (), jnp.uint32)
 
 
@@ -89,7 +114,7 @@ def _block_summary(x, block, n_blocks):
   return x.min(-1), x.max(-1)
 
 
-def data_tile_classes(*, B, T, S, block_q, block_k, masks: MaskArrays):
+def data_tile_classes(*, B, T, S, block_q, block_k, masks: Masks):
   """[B, nq, nk] int8 classes from the data-dependent rules (lengths, segment ids).
 
   Computed from per-block bounds only (O(T/bq + S/bk) summaries); the kernels combine
@@ -119,10 +144,10 @@ def data_tile_classes(*, B, T, S, block_q, block_k, masks: MaskArrays):
   return jnp.where(all_, FULL, jnp.where(any_, BOUNDARY, SKIP)).astype(jnp.int8)
 
 
-def tile_classes(*, B, T, S, block_q, block_k, opts, masks: MaskArrays | None = None):
+def tile_classes(*, B, T, S, block_q, block_k, masks: Masks):
   """[B, nq, nk] classes under every structured rule: what the kernels visit."""
-  classes = jnp.asarray(classes_static(T, S, block_q, block_k, opts))[None]
-  if masks is not None and masks.structured:
+  classes = jnp.asarray(classes_static(T, S, block_q, block_k, masks))[None]
+  if masks.structured:
     classes = jnp.minimum(classes, data_tile_classes(B=B, T=T, S=S, block_q=block_q,
                                                      block_k=block_k, masks=masks))
   return jnp.broadcast_to(classes, (B, *classes.shape[1:]))
@@ -130,8 +155,9 @@ def tile_classes(*, B, T, S, block_q, block_k, opts, masks: MaskArrays | None = 
 
 def visited_tiles(classes) -> Array:
   """How many tiles a kernel following these classes loads (for tests and reports)."""
-  r = ranges_from_classes(classes)
-  return jnp.sum(r[..., 3] - r[..., 0])
+  r = ranges_from_classes(classes)  # per block: (lo, full_lo, full_hi, hi), visit [lo, hi)
+  lo, hi = r[..., 0], r[..., 3]
+  return jnp.sum(hi - lo)
 
 
 # -- the same rules on [B, K, G, T, c] logits in plain JAX ("xla" and "xla_chunked") -----
@@ -142,50 +168,49 @@ def _heads(x, K, G):
   return x.reshape(b, 1, 1, t, c) if n == 1 else x.reshape(b, K, G, t, c)
 
 
-def masked_logits(raw, cols, cfg, extras: MaskArrays | None, *, K, G, S):
+def masked_logits(raw, cols, masks: Masks, *, K, G, S):
   """Scaled logits `raw` [B, K, G, T, c] of key columns `cols` [c] -> (logits with -inf
   where hidden, tanh of the soft cap or None, dropout multiplier or None).
 
   Applies soft cap, bias, causal/window/length/segment/dense masks and the dropout keep
   mask exactly as the kernels do. `cols` may run past S (padding): those are hidden.
   """
-  extras = extras or MaskArrays()
   B, _, _, T, c = raw.shape
   rows = jnp.arange(T)[:, None]
   colsb = cols[None, :]
   t = None
   s = raw
-  if cfg.soft_cap is not None:
-    t = jnp.tanh(raw / cfg.soft_cap)
-    s = cfg.soft_cap * t
+  if masks.soft_cap is not None:
+    t = jnp.tanh(raw / masks.soft_cap)
+    s = masks.soft_cap * t
   keep = jnp.broadcast_to((cols < S)[None, :], (T, c))
-  if cfg.is_causal:
+  if masks.is_causal:
     keep = keep & (rows >= colsb)
-  if cfg.window is not None:
-    left, right = cfg.window
+  if masks.window is not None:
+    left, right = masks.window
     keep = keep & (colsb >= rows - left) & (colsb <= rows + right)
   keep = keep[None, None, None]
   safe = jnp.clip(cols, 0, None)
-  if extras.bias is not None:
-    bias = jnp.take(extras.bias, jnp.minimum(safe, extras.bias.shape[-1] - 1), axis=-1)
+  if masks.bias is not None:
+    bias = jnp.take(masks.bias, jnp.minimum(safe, masks.bias.shape[-1] - 1), axis=-1)
     s = s + _heads(bias, K, G).astype(s.dtype)
-  if extras.q_lengths is not None:
-    keep = keep & (rows < extras.q_lengths[:, None, None, None, None])
-  if extras.kv_lengths is not None:
-    keep = keep & (colsb < extras.kv_lengths[:, None, None, None, None])
-  if extras.q_segment_ids is not None:
-    kv = jnp.take(extras.kv_segment_ids, jnp.minimum(safe, extras.kv_segment_ids.shape[-1] - 1),
+  if masks.q_lengths is not None:
+    keep = keep & (rows < masks.q_lengths[:, None, None, None, None])
+  if masks.kv_lengths is not None:
+    keep = keep & (colsb < masks.kv_lengths[:, None, None, None, None])
+  if masks.q_segment_ids is not None:
+    kv = jnp.take(masks.kv_segment_ids, jnp.minimum(safe, masks.kv_segment_ids.shape[-1] - 1),
                   axis=-1)
-    keep = keep & (extras.q_segment_ids[:, None, None, :, None] == kv[:, None, None, None, :])
-  if extras.mask is not None:
-    m = jnp.take(extras.mask, jnp.minimum(safe, extras.mask.shape[-1] - 1), axis=-1)
+    keep = keep & (masks.q_segment_ids[:, None, None, :, None] == kv[:, None, None, None, :])
+  if masks.mask is not None:
+    m = jnp.take(masks.mask, jnp.minimum(safe, masks.mask.shape[-1] - 1), axis=-1)
     keep = keep & _heads(m, K, G)
   s = jnp.where(keep, s, -jnp.inf)
   drop = None
-  if cfg.dropout_rate > 0:
+  if masks.dropout_rate > 0:
     b = jnp.arange(B)[:, None, None, None, None]
     n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :])[None, :, :, None, None]
-    key = dropout_row_key(extras.dropout_seed, b, n, rows[None, None, None], K * G)
-    z = dropout_keep(key, colsb[None, None, None], cfg.dropout_rate)
-    drop = z.astype(raw.dtype) / (1 - cfg.dropout_rate)
+    key = dropout_row_key(masks.dropout_seed, b, n, rows[None, None, None], K * G)
+    z = dropout_keep(key, colsb[None, None, None], masks.dropout_rate)
+    drop = z.astype(raw.dtype) / (1 - masks.dropout_rate)
   return s, t, drop

@@ -10,15 +10,14 @@ Two ways in:
     implementation is a config field, so one model runs on standard and flash attention.
 
 Nothing jflash cannot honour is dropped quietly. Flax's dense `mask`/`bias` and
-dropout are forwarded only when `jflash.attention`'s signature (read on every call, not
-assumed) has the matching keyword, and raise `NotImplementedError` otherwise; sown
-attention weights and Flax's batch-broadcast dropout always raise (flash attention never
-forms the weights; jflash draws one dropout mask per batch and head).
+dropout are forwarded to `jflash.attention`, which validates them (`jflash.prepare`);
+sown attention weights and Flax's batch-broadcast dropout raise `NotImplementedError`
+(flash attention never forms the weights; jflash draws one dropout mask per batch and
+head).
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable
 
@@ -35,16 +34,12 @@ Array = jax.Array
 JAX_NN_IMPLEMENTATIONS = ("cudnn",)
 
 
-def attention_parameters() -> frozenset[str]:
-  """Keyword names `jflash.attention` accepts right now (read, never assumed)."""
-  return frozenset(inspect.signature(api.attention).parameters)
-
-
-def _require(name: str, what: str):
-  if name not in attention_parameters():
+def _check_option_names(names, what: str = "jflash.attention"):
+  unknown = sorted(set(names) - api.OPTIONS)
+  if unknown:
     raise NotImplementedError(
-        f"{what}: jflash.attention has no `{name}=` option yet, so this cannot be "
-        "honoured (it is not ignored)")
+        f"{what} has no option {', '.join(map(repr, unknown))} (it accepts "
+        f"{sorted(api.OPTIONS)}), so it cannot be honoured (it is not ignored)")
 
 
 def _flatten_batch(x, nb):
@@ -86,9 +81,9 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
 
   Args:
     **attention_options: keywords for `jflash.attention` applied to every call
-      (`implementation=`, `is_causal=`, `block_sizes=`, `scale=`, and whichever masking
-      options `jflash.attention` supports). A name it does not accept raises
-      `NotImplementedError` here, not at the first call.
+      (`implementation=`, `is_causal=`, `config=`, `scale=`, and the masking options).
+      A name it does not accept raises `NotImplementedError` here, not at the first
+      call; values are checked by `jflash.attention` at the call.
 
   Returns:
     `attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -106,15 +101,12 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
   returns zeros here (jflash's rule), where Flax's default returns the mean of the
   values (a softmax over equal -big logits).
   """
-  accepted = attention_parameters()
   for name in attention_options:
     if name in ("query", "key", "value"):
       raise ValueError(f"{name} is the adapter's positional input, not an option")
     if name == "return_residuals":
       raise ValueError("return_residuals: Flax expects the attention output alone")
-    if name not in accepted:
-      raise NotImplementedError(
-          f"jflash.attention has no option {name!r} (it accepts {sorted(accepted)})")
+  _check_option_names(attention_options)
   static = dict(attention_options)
   base_causal = bool(static.pop("is_causal", False))
 
@@ -159,20 +151,17 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
     for name, arr in (("mask", mask), ("bias", bias)):
       if arr is None:
         continue
-      _require(name, f"a dense {name} of shape {tuple(jnp.shape(arr))}")
       if name in kwargs:
         raise ValueError(f"{name} given both to make_attention_fn and at call time")
       arr = _flatten_mask_batch(arr, batch_shape, q.shape[1], k.shape[1])
       kwargs[name] = arr.astype(jnp.bool_) if name == "mask" else arr
     if not deterministic and dropout_rate > 0.0:
-      _require("dropout_rate", f"dropout_rate={dropout_rate}")
-      _require("dropout_rng", "dropout")
       if broadcast_dropout:
-        # Flax's default draws one mask shared across batch and heads; a per-element
-        # kernel mask is a different distribution, so it must be asked for explicitly.
-        _require("broadcast_dropout",
-                 "broadcast_dropout=True (set broadcast_dropout=False for per-head dropout)")
-        kwargs["broadcast_dropout"] = True
+        # Flax's default draws one mask shared across batch and heads; jflash's keep
+        # mask hashes (batch, head, row, col), a different distribution.
+        raise NotImplementedError(
+            "broadcast_dropout=True: jflash draws one dropout mask per batch and head; "
+            "set broadcast_dropout=False for that (it is not ignored)")
       if dropout_rng is None:
         raise ValueError("dropout_rate > 0 and not deterministic needs a dropout_rng")
       kwargs["dropout_rate"] = float(dropout_rate)
@@ -212,8 +201,8 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
   """[B, T, N, H] attention through jflash, or through jax.nn for the "cudnn" baseline.
 
   Options other than is_causal/scale/implementation (e.g. `local_window_size`,
-  `block_sizes`) and `segment_ids` are forwarded to `jflash.attention` when it accepts
-  them and raise `NotImplementedError` when it does not.
+  `config`) and `segment_ids` are forwarded to `jflash.attention`; a name it does not
+  accept raises `NotImplementedError`.
 
   With `context_parallel_axis`, q/k/v are local shards of a sequence sharded over that
   mesh axis in zigzag order (inside `shard_map`) and attention is
@@ -221,11 +210,11 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
   """
   if context_parallel_axis is not None:
     from jflash import parallel
-    unsupported = sorted(set(options) - {"block_sizes"})
+    unsupported = sorted(set(options) - {"config"})
     if implementation in JAX_NN_IMPLEMENTATIONS or unsupported:
       raise NotImplementedError(
           f"context_parallel_axis: ring attention runs jflash implementations with "
-          f"block_sizes only, got {implementation=} and options {unsupported}")
+          f"config only, got {implementation=} and options {unsupported}")
     return parallel.ring_attention(q, k, v, axis_name=context_parallel_axis,
                                    is_causal=is_causal, scale=scale,
                                    implementation=implementation,
@@ -238,10 +227,8 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
           f"options beyond is_causal/scale, got {sorted(extra)}")
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal,
                                         implementation=implementation)
-  for name in options:
-    _require(name, f"{name}={options[name]!r}")
+  _check_option_names(options)
   if segment_ids is not None:
-    _require("segment_ids", "segment_ids")
     options = dict(options, segment_ids=segment_ids)
   return api.attention(q, k, v, scale=scale, is_causal=is_causal,
                        implementation=implementation, **options)
@@ -318,16 +305,17 @@ class LMConfig:
 class Attention(nnx.Module):
   """Multi-head self-attention with GQA and rotary embeddings on jflash.
 
-  `is_causal`, `local_window_size` and `segment_ids` are forwarded to
-  `jflash.attention`; an option it does not support yet raises `NotImplementedError`
-  at construction (options) or call (segment_ids), never silently dropped.
+  `is_causal`, `local_window_size`, `config` and `segment_ids` are forwarded to
+  `jflash.attention`. The options are validated at construction (`jflash.prepare` on
+  the head shapes: a bad window or a config for another implementation is a
+  ValueError there), segment ids at the call.
   """
 
   def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None,
                head_dim: int | None = None, *, is_causal: bool = True,
                local_window_size: tuple[int, int] | None = None, use_rope: bool = True,
                rope_base: float = 10000.0, implementation: str | None = None,
-               block_sizes=None, dtype=None, param_dtype=jnp.float32,
+               config=None, dtype=None, param_dtype=jnp.float32,
                context_parallel_axis: str | None = None, rngs: nnx.Rngs):
     num_kv_heads = num_kv_heads or num_heads
     if num_heads % num_kv_heads:
@@ -340,11 +328,12 @@ class Attention(nnx.Module):
     options = {}
     if local_window_size is not None:
       options["local_window_size"] = tuple(local_window_size)
-    if block_sizes is not None:
-      options["block_sizes"] = block_sizes
+    if config is not None:
+      options["config"] = config
     if implementation not in JAX_NN_IMPLEMENTATIONS:
-      for name, val in options.items():
-        _require(name, f"{name}={val!r}")
+      head = lambda n: jax.ShapeDtypeStruct((1, 1, n, head_dim), jnp.float32)
+      api.prepare(head(num_heads), head(num_kv_heads), head(num_kv_heads),
+                  is_causal=is_causal, implementation=implementation, **options)
     elif options:
       raise NotImplementedError(
           f"implementation={implementation!r} takes no options, got {sorted(options)}")

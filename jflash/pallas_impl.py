@@ -1,45 +1,65 @@
-""""pallas": the Pallas kernels behind jflash's custom_vjp."""
+""""pallas": the Pallas kernels behind jflash's custom_vjp.
+
+The one adapter between jflash's vocabulary and the kernel package's own records:
+`Masks` -> `pallas_kernels.masking.MaskOptions` (static) and `MaskOperands` (arrays and
+the data-dependent tile schedule); `PallasConfig` -> `pallas_kernels.tuning.BlockSizes`.
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from jflash.api import first_order_only
-from jflash.masks import MaskArrays, data_tile_classes
+from jflash.config import PallasConfig
+from jflash.masks import Masks, data_tile_classes
 from pallas_kernels import backward as _bwd
 from pallas_kernels import forward as _fwd
-from pallas_kernels.masking import MaskOperands
-from pallas_kernels.tuning import padded_head_dim
+from pallas_kernels.masking import MaskOperands, MaskOptions
+from pallas_kernels.tuning import BlockSizes, padded_head_dim
+
+# The largest padded head_dim with a tile table entry (pallas_kernels/tuning.py): one
+# K/V tile row must fit the kernels' registers and shared memory next to the Q tile.
+MAX_HEAD_DIM = 256
 
 
-def supports(q, k, v, cfg, extras=None):
+def supports(q, k, v, cfg, masks):
   H = q.shape[-1]
-  if padded_head_dim(H) > 256:
-    raise NotImplementedError(f"pallas kernels support head_dim <= 256, got {H}")
+  if padded_head_dim(H) > MAX_HEAD_DIM:
+    raise NotImplementedError(f"pallas kernels support head_dim <= {MAX_HEAD_DIM}, got {H}")
 
 
-def _operands(q, k, extras: MaskArrays | None) -> MaskOperands:
-  if extras is None:
-    return MaskOperands()
+def _options(masks: Masks) -> MaskOptions:
+  return MaskOptions(is_causal=masks.is_causal, window=masks.window,
+                     soft_cap=masks.soft_cap, dropout_rate=masks.dropout_rate)
+
+
+def _operands(q, k, masks: Masks) -> MaskOperands:
   schedule = None
-  if extras.structured:
+  if masks.structured:
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    schedule = functools.partial(data_tile_classes, B=B, T=T, S=S, masks=extras)
-  return MaskOperands(schedule=schedule, q_lengths=extras.q_lengths,
-                      kv_lengths=extras.kv_lengths, q_segment_ids=extras.q_segment_ids,
-                      kv_segment_ids=extras.kv_segment_ids, mask=extras.mask,
-                      bias=extras.bias, dropout_seed=extras.dropout_seed)
+    schedule = functools.partial(data_tile_classes, B=B, T=T, S=S, masks=masks)
+  return MaskOperands(schedule=schedule, q_lengths=masks.q_lengths,
+                      kv_lengths=masks.kv_lengths, q_segment_ids=masks.q_segment_ids,
+                      kv_segment_ids=masks.kv_segment_ids, mask=masks.mask,
+                      bias=masks.bias, dropout_seed=masks.dropout_seed)
 
 
-def forward(q, k, v, cfg, extras=None):
-  fwd = lambda q, k, v, extras: _fwd.flash_forward(
-      q, k, v, scale=cfg.scale, opts=cfg.mask_options, ops=_operands(q, k, extras),
-      block_sizes=cfg.block_sizes)
-  return first_order_only(fwd, "the pallas forward kernel")(q, k, v, extras)
+def _block_sizes(cfg) -> BlockSizes | None:
+  """The caller's PallasConfig as the kernels' tile record; None: the kernels' table."""
+  own = cfg.backend_config(PallasConfig)
+  return None if own is None else BlockSizes(**dataclasses.asdict(own))
 
 
-def backward(q, k, v, out, lse, dout, dlse, cfg, extras=None):
-  bwd = lambda q, k, v, out, lse, dout, dlse, extras: _bwd.flash_backward(
-      q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=cfg.mask_options,
-      ops=_operands(q, k, extras), block_sizes=cfg.block_sizes)
+def forward(q, k, v, cfg, masks):
+  fwd = lambda q, k, v, masks: _fwd.flash_forward(
+      q, k, v, scale=cfg.scale, opts=_options(masks), ops=_operands(q, k, masks),
+      block_sizes=_block_sizes(cfg))
+  return first_order_only(fwd, "the pallas forward kernel")(q, k, v, masks)
+
+
+def backward(q, k, v, out, lse, dout, dlse, cfg, masks):
+  bwd = lambda q, k, v, out, lse, dout, dlse, masks: _bwd.flash_backward(
+      q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=_options(masks),
+      ops=_operands(q, k, masks), block_sizes=_block_sizes(cfg))
   return first_order_only(bwd, "the pallas backward kernels")(
-      q, k, v, out, lse, dout, dlse, extras)
+      q, k, v, out, lse, dout, dlse, masks)

@@ -28,8 +28,8 @@ zigzag layout as in Megatron-LM context parallelism / zhuzilin's ring-flash-atte
             (`chunk_pairs_per_device`). `layout="contiguous"` keeps the natural order;
             it skips the fully masked blocks too, but device i then does 4i+3 pairs.
   segments  packed-document ids: the query ids stay home, the key ids travel with their
-            block (int32 [B, S/P], small next to K/V) and each block call gets both as
-            mask arrays (`extras=`); blocks that segments alone mask fully are not skipped.
+            block (int32 [B, S/P], small next to K/V) and each block call gets both in
+            its `Masks`; blocks that segments alone mask fully are not skipped.
 
 Bytes one device sends per call, with kv = B * (S/P) * K * H * itemsize: forward
 2(P-1) kv; backward 2(P-1) kv for the blocks plus 2P kv' for the dK/dV accumulators
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Sequence
 
 import jax
@@ -53,33 +52,13 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jflash import api
+from jflash.config import BackendConfig
+from jflash.masks import Masks
 from jflash.reference import stat_dtype
 
 Array = jax.Array
 
 LAYOUTS = ("zigzag", "contiguous")
-
-
-# -- jax version compatibility ------------------------------------------------------
-
-def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = True):
-  """`jax.shard_map` where it exists, else `jax.experimental.shard_map.shard_map`.
-
-  The replication/varying-axes checker is called `check_vma` by `jax.shard_map` and
-  `check_rep` by the older experimental function; this takes the new name for both.
-  """
-  sm = getattr(jax, "shard_map", None)
-  if sm is None:
-    from jax.experimental.shard_map import shard_map as sm
-  params = inspect.signature(sm).parameters
-  check = "check_vma" if "check_vma" in params else "check_rep"
-  return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: check_vma})
-
-
-def _axis_size(axis_name) -> int:
-  if hasattr(lax, "axis_size"):
-    return int(lax.axis_size(axis_name))
-  return int(lax.psum(1, axis_name))  # older jax: a psum of a Python int is static
 
 
 # -- mesh, specs and the token order ------------------------------------------------
@@ -88,18 +67,14 @@ def make_mesh(num_devices: int | None = None, axis_name: str = "sp", *,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A one-axis mesh for the sequence ring, over the first `num_devices` devices.
 
-  The axis is of type Auto where jax has axis types, so `shard_map` (and so
-  `ring_attention`) reshards unsharded inputs itself instead of rejecting them.
+  The axis is of type Auto, so `shard_map` (and so `ring_attention`) reshards
+  unsharded inputs itself instead of rejecting them.
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices) if num_devices is None else num_devices
   if not isinstance(n, int) or not 1 <= n <= len(devices):
     raise ValueError(f"num_devices={num_devices!r} must be an int in [1, {len(devices)}]")
-  kwargs = {}
-  axis_type = getattr(jax.sharding, "AxisType", None)
-  if axis_type is not None:
-    kwargs["axis_types"] = (axis_type.Auto,)
-  return Mesh(np.asarray(devices[:n]), (axis_name,), **kwargs)
+  return Mesh(np.asarray(devices[:n]), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def sequence_spec(axis_name: str = "sp", batch_axis: str | None = None) -> PartitionSpec:
@@ -162,7 +137,7 @@ def shard_positions(local_len: int, axis_name: str, layout: str = "zigzag") -> A
   if local_len % 2:
     raise ValueError(f"the zigzag layout needs an even local length, got {local_len=}")
   c = local_len // 2
-  size = _axis_size(axis_name)
+  size = lax.axis_size(axis_name)
   first, second = i * c, (2 * size - 1 - i) * c
   return jnp.concatenate([first + jnp.arange(c), second + jnp.arange(c)]).astype(jnp.int32)
 
@@ -233,10 +208,8 @@ class _Ring:
   size: int
   layout: str
   impl: api.Implementation
-  cfg: api.AttentionConfig  # cfg.is_causal is the global mask; blocks get their own
-
-  def local(self, causal: bool) -> api.AttentionConfig:
-    return dataclasses.replace(self.cfg, is_causal=causal)
+  cfg: api.AttentionConfig
+  is_causal: bool  # the global mask; each block call gets its own (`_block_masks`)
 
   def perm(self):
     return [(d, (d + 1) % self.size) for d in range(self.size)]
@@ -246,13 +219,14 @@ def _merge(o1, l1, o2, l2):
   """Online-softmax merge of two normalised partials (out [B,T,N,H], lse [B,N,T]).
 
   out = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2), lse = log(e^l1 + e^l2), computed against
-  the larger lse. A row that no block has seen (both -inf) stays out = 0, lse = -inf.
+  the larger lse. A row that no block has seen (both -inf) stays out = 0, lse = -inf;
+  a NaN or inf lse (a NaN or inf logit in that block) makes the merged row NaN.
   """
   m = jnp.maximum(l1, l2)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0)  # keeps exp() free of (-inf) - (-inf)
+  m_safe = jnp.where(m == -jnp.inf, 0, m)  # keeps exp() free of (-inf) - (-inf)
   w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
   tot = w1 + w2
-  has = tot > 0
+  has = tot != 0  # 0 only when both are -inf; NaN != 0, so a NaN reaches the output
   tot_safe = jnp.where(has, tot, 1)
   lse = jnp.where(has, m_safe + jnp.log(tot_safe), -jnp.inf)
   to_btn = lambda w: jnp.swapaxes(jnp.where(has, w / tot_safe, 0), 1, 2)[..., None]
@@ -265,12 +239,9 @@ def _pad_seq(x, before, after, axis):
   return jnp.pad(x, pad)
 
 
-def _extras(q_seg, kv_seg) -> dict:
-  """The keyword that hands one block's segment ids to the local implementation."""
-  if q_seg is None:
-    return {}
-  from jflash.masks import MaskArrays
-  return {"extras": MaskArrays(q_segment_ids=q_seg, kv_segment_ids=kv_seg)}
+def _block_masks(causal: bool, q_seg, kv_seg) -> Masks:
+  """The masks of one block call: its own causal flag and its segment ids, if any."""
+  return Masks(is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
 
 
 # A block's key side is the tuple (k, v) or (k, v, kv_segment_ids): it travels as one.
@@ -285,13 +256,13 @@ def _block_forward(ring: _Ring, case: int, q, q_seg, kv):
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
   if case in (FULL, DIAG):
-    out, lse = ring.impl.forward(q, k, v, ring.local(case == DIAG), **_extras(q_seg, kv_seg))
+    out, lse = ring.impl.forward(q, k, v, ring.cfg, _block_masks(case == DIAG, q_seg, kv_seg))
   elif case == LOWER:
-    out, lse = ring.impl.forward(q, head(k), head(v), ring.local(False),
-                                 **_extras(q_seg, head(kv_seg)))
+    out, lse = ring.impl.forward(q, head(k), head(v), ring.cfg,
+                                 _block_masks(False, q_seg, head(kv_seg)))
   else:  # UPPER: the first query chunk sees nothing of this block
-    out, lse = ring.impl.forward(tail(q), k, v, ring.local(False),
-                                 **_extras(tail(q_seg), kv_seg))
+    out, lse = ring.impl.forward(tail(q), k, v, ring.cfg,
+                                 _block_masks(False, tail(q_seg), kv_seg))
     out = _pad_seq(out, c, 0, 1)
     lse = jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2)
   return out.astype(acc), lse.astype(acc)
@@ -307,17 +278,17 @@ def _block_backward(ring: _Ring, case: int, q, q_seg, kv, out, lse, dout, dlse):
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
   if case in (FULL, DIAG):
-    grads = ring.impl.backward(q, k, v, out, lse, dout, dlse, ring.local(case == DIAG),
-                               **_extras(q_seg, kv_seg))
+    grads = ring.impl.backward(q, k, v, out, lse, dout, dlse, ring.cfg,
+                               _block_masks(case == DIAG, q_seg, kv_seg))
     dq, dk, dv = grads[:3]
   elif case == LOWER:
-    grads = ring.impl.backward(q, head(k), head(v), out, lse, dout, dlse, ring.local(False),
-                               **_extras(q_seg, head(kv_seg)))
+    grads = ring.impl.backward(q, head(k), head(v), out, lse, dout, dlse, ring.cfg,
+                               _block_masks(False, q_seg, head(kv_seg)))
     dq, dk, dv = grads[:3]
     dk, dv = _pad_seq(dk, 0, c, 1), _pad_seq(dv, 0, c, 1)
   else:  # UPPER
     grads = ring.impl.backward(tail(q), k, v, tail(out), lse[..., c:], tail(dout),
-                               dlse[..., c:], ring.local(False), **_extras(tail(q_seg), kv_seg))
+                               dlse[..., c:], ring.cfg, _block_masks(False, tail(q_seg), kv_seg))
     dq, dk, dv = grads[:3]
     dq = _pad_seq(dq, c, 0, 1)
   return dq.astype(acc), dk.astype(acc), dv.astype(acc)
@@ -335,16 +306,16 @@ def _case_at(ring: _Ring, step):
   """The case of this device's queries against the block it holds at ring step `step`."""
   i = lax.axis_index(ring.axis_name)
   j = (i - step) % ring.size  # blocks move d -> d+1, so step s holds device i-s's block
-  return block_case(i, j, is_causal=ring.cfg.is_causal, layout=ring.layout)
+  return block_case(i, j, is_causal=ring.is_causal, layout=ring.layout)
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
-  cases = _step_cases(ring.cfg.is_causal, ring.layout)
+  cases = _step_cases(ring.is_causal, ring.layout)
   ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
   kv = (k, v) if kv_seg is None else (k, v, kv_seg)
   # Step 0 is the own block (the diagonal when causal). Its send is issued first.
   nxt = ppermute(kv) if ring.size > 1 else kv
-  o, l = _block_forward(ring, DIAG if ring.cfg.is_causal else FULL, q, q_seg, kv)
+  o, l = _block_forward(ring, DIAG if ring.is_causal else FULL, q, q_seg, kv)
 
   def step(carry, s):
     o, l, kv = carry
@@ -362,12 +333,12 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
 
 
 def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
-  cases = _step_cases(ring.cfg.is_causal, ring.layout)
+  cases = _step_cases(ring.is_causal, ring.layout)
   ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
   res = (out, lse, dout, dlse)
   kv = (k, v) if kv_seg is None else (k, v, kv_seg)
   nxt = ppermute(kv) if ring.size > 1 else kv
-  dq, dk, dv = _block_backward(ring, DIAG if ring.cfg.is_causal else FULL, q, q_seg, kv, *res)
+  dq, dk, dv = _block_backward(ring, DIAG if ring.is_causal else FULL, q, q_seg, kv, *res)
 
   def contrib(s, kv):
     return _dispatch(ring, _block_backward, cases, _case_at(ring, s), q, q_seg, kv, *res)
@@ -415,31 +386,23 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # -- the public op ----------------------------------------------------------------
 
-def _resolve(implementation, q, k, v, cfg, segments: bool) -> api.Implementation:
+def _resolve(implementation, q, k, v, cfg, masks: Masks) -> api.Implementation:
   """The first implementation that can run every block of this ring (api's
   `implementation=` rule: the next name is tried only on NotImplementedError)."""
   return api.resolve_implementation(
-      implementation, lambda impl: _check_implementation(impl, q, k, v, cfg, segments),
+      implementation, lambda impl: _check_implementation(impl, q, k, v, cfg, masks),
       what="this ring")
 
 
-def _check_implementation(impl, q, k, v, cfg, segments):
+def _check_implementation(impl, q, k, v, cfg, masks: Masks):
   if impl.forward is None or impl.backward is None:
     raise NotImplementedError(
         f"implementation={impl.name!r} has no forward/backward split with an lse; ring "
         "attention merges blocks through their lse: use a flash-type implementation "
         "such as 'xla_chunked'")
-  extras = {}
-  if segments:
-    if not all("extras" in inspect.signature(f).parameters
-               for f in (impl.forward, impl.backward)):
-      raise NotImplementedError(
-          f"segment_ids: implementation={impl.name!r} takes no mask arrays (extras=) yet")
-    ids = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
-    extras = _extras(*ids)
   # The blocks run non-causal (and the zigzag halves) and causal on the own block.
-  for causal in {False, cfg.is_causal}:
-    impl.supports(q, k, v, dataclasses.replace(cfg, is_causal=causal), **extras)
+  for causal in {False, masks.is_causal}:
+    impl.supports(q, k, v, cfg, dataclasses.replace(masks, is_causal=causal))
 
 
 def ring_attention(
@@ -453,7 +416,7 @@ def ring_attention(
     implementation: str | Sequence[str] | None = None,
     layout: str = "zigzag",
     segment_ids: Array | tuple[Array, Array] | None = None,
-    block_sizes: api.BlockSizes | None = None,
+    config: BackendConfig | Sequence[BackendConfig] | None = None,
     return_residuals: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Exact attention over a sequence sharded on `axis_name`; call inside `shard_map`.
@@ -475,24 +438,23 @@ def ring_attention(
     segment_ids: local shards of packed-document ids, `[B, T/P]` int (T == S) or a
       pair (`[B, T/P]`, `[B, S/P]`), in the same token order as q/k/v (permute them
       with `zigzag_permute` too). The key ids travel round the ring with their block.
-      Needs a local implementation that takes mask arrays (`extras=`).
-    block_sizes: passed to the local implementation.
+      Needs a local implementation whose `supports` accepts segment ids.
+    config: backend config(s) of the local implementation, as in `jflash.attention`.
     return_residuals: also return the local lse `[B, N, T/P]` (spec `lse_spec`).
 
   Returns:
     The local output shard `[B, T/P, N, H]` in the same token order as the inputs,
     or `(out, lse)`.
   """
-  api._check_inputs(query, key, value)
-  cfg = api._make_config(query, key, scale=scale, is_causal=is_causal, block_sizes=block_sizes)
+  # Shard-local shapes and ids: T and S here are the local lengths T/P and S/P.
+  cfg, masks = api.prepare(query, key, value, scale=scale, is_causal=is_causal,
+                           segment_ids=segment_ids, implementation=implementation,
+                           config=config)
   _check_layout(layout)
-  # Shard-local ids: T and S here are the local lengths T/P and S/P.
-  q_seg, kv_seg = api.segment_id_arrays(segment_ids, query.shape[0], query.shape[1],
-                                        key.shape[1])
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name={axis_name!r} must be the name (str) of one mesh axis")
   try:
-    size = _axis_size(axis_name)
+    size = lax.axis_size(axis_name)
   except (NameError, KeyError):  # how jax reports an axis name no mesh binds
     raise ValueError(
         f"axis_name={axis_name!r} is not a bound mesh axis: call ring_attention "
@@ -507,13 +469,14 @@ def ring_attention(
       raise ValueError(
           f"the zigzag layout needs an even local length (two chunks), got T/P={T}; "
           f"the global length must be a multiple of 2P = {2 * size}")
-  impl = _resolve(implementation, query, key, value, cfg, q_seg is not None)
-  out, lse = _ring(query, key, value, q_seg, kv_seg, _Ring(axis_name, size, layout, impl, cfg))
+  impl = _resolve(implementation, query, key, value, cfg, masks)
+  out, lse = _ring(query, key, value, masks.q_segment_ids, masks.kv_segment_ids,
+                   _Ring(axis_name, size, layout, impl, cfg, masks.is_causal))
   return (out, lse) if return_residuals else out
 
 
 def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
-                           batch_axis: str | None = None, check_vma: bool = False,
+                           batch_axis: str | None = None, check_vma: bool = True,
                            with_segment_ids: bool = False, **kwargs):
   """`ring_attention` wrapped in `shard_map` for global `[B, T, N, H]` arrays.
 
@@ -522,9 +485,10 @@ def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
   `ring_attention` expects for `layout` (apply `zigzag_permute` first for "zigzag").
   `kwargs` go to `ring_attention`.
 
-  `check_vma` defaults to False: every output here is sequence-sharded (nothing is
-  claimed replicated), and "xla_chunked" builds its scan carries with `jnp.full`,
-  which the varying-axes checker rejects. The ring itself type-checks under it.
+  `check_vma` (shard_map's varying-manual-axes type check) is on by default: the ring
+  and "xla_chunked" type-check under it, since "xla_chunked" builds its scan carries
+  from q (`zeros_like`/`full_like`), so they vary over the same mesh axes as q. Turn it
+  off only for a local implementation whose body does not type-check.
   """
   spec = sequence_spec(axis_name, batch_axis)
   out_specs = (spec, lse_spec(axis_name, batch_axis)) if kwargs.get(
@@ -536,5 +500,5 @@ def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
                                              segment_ids=ids, **kwargs)
   else:
     fn = functools.partial(ring_attention, axis_name=axis_name, **kwargs)
-  return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                   check_vma=check_vma)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=check_vma)

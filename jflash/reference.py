@@ -22,32 +22,33 @@ def causal_mask(T: int, S: int) -> np.ndarray:
 
 # -- "xla": standard attention, materialises the [B, N, T, S] scores -------------
 
-def attention_xla(q, k, v, *, scale: float, is_causal: bool, cfg=None, extras=None):
+def attention_xla(q, k, v, *, scale: float, is_causal: bool = False, masks=None):
   """Standard attention in plain XLA ops; returns (out, lse).
 
   Scores are computed in the statistics dtype (float32 for half inputs): this is the
   usual "upcast the logits" implementation, and its memory is O(T x S) per head.
-  `cfg`/`extras` (a jflash AttentionConfig and MaskArrays) add the mask options.
+  `masks` (a `jflash.masks.Masks`) adds every mask option; without it, `is_causal`.
   """
-  from jflash.masks import masked_logits
-  if cfg is None:
-    from jflash.api import AttentionConfig
-    cfg = AttentionConfig(scale=scale, is_causal=is_causal)
+  from jflash.masks import Masks, masked_logits
+  if masks is None:
+    masks = Masks(is_causal=is_causal)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
   acc = stat_dtype(q.dtype)
   qg = q.reshape(B, T, K, G, H)
-  raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * cfg.scale
-  s, _, drop = masked_logits(raw, jnp.arange(S), cfg, extras, K=K, G=G, S=S)
+  raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * scale
+  s, _, drop = masked_logits(raw, jnp.arange(S), masks, K=K, G=G, S=S)
   m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0)  # fully masked row: exp(-inf - 0) = 0, no NaN
+  m = jnp.where(m == -jnp.inf, 0, m)  # fully masked row: exp(-inf - 0) = 0, no NaN
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  inv = jnp.where(l > 0, 1 / jnp.where(l > 0, l, 1), 0)
+  # l = 0 only for a row the masks empty; NaN != 0, so a NaN logit reaches the output.
+  has = l != 0
+  inv = jnp.where(has, 1 / jnp.where(has, l, 1), 0)
   p = p * inv if drop is None else p * inv * drop
   out = jnp.einsum("bkgts,bskh->btkgh", p.astype(q.dtype), v, preferred_element_type=acc)
-  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1)), -jnp.inf)[..., 0]
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)[..., 0]
   return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, N, T)
 
 
@@ -65,7 +66,8 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
     dlogits = dS * (1 - tanh^2) with a soft cap, dQ = s dlogits K, dK = s dlogits^T Q,
   where P~ = P * Z/(1-r) is P after dropout with keep mask Z.
   """
-  from jflash.masks import MaskArrays, dense_keep_numpy, dropout_keep_numpy
+  from jflash.masks import Masks, dense_keep_numpy
+  from pallas_kernels.masking import dropout_keep_numpy
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -76,10 +78,9 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   q_seg = kv_seg = None
   if segment_ids is not None:
     q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
-  keep = dense_keep_numpy(B, N, T, S, is_causal=is_causal, window=local_window_size,
-                          masks=MaskArrays(mask=mask, q_lengths=query_seq_lengths,
-                                           kv_lengths=key_value_seq_lengths,
-                                           q_segment_ids=q_seg, kv_segment_ids=kv_seg))
+  keep = dense_keep_numpy(B, N, T, S, Masks(
+      is_causal=is_causal, window=local_window_size, mask=mask, q_lengths=query_seq_lengths,
+      kv_lengths=key_value_seq_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg))
   kr = np.repeat(k, G, axis=2)  # query head n uses key head n // G
   vr = np.repeat(v, G, axis=2)
   raw = np.einsum("btnh,bsnh->bnts", q, kr, optimize=True) * scale
@@ -95,8 +96,9 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   p = np.exp(s - m)
   l = p.sum(-1, keepdims=True)
   with np.errstate(divide="ignore", invalid="ignore"):
-    p = np.where(l > 0, p / l, 0)
-    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+    # l = 0 only for a row the masks empty (zeros); a NaN logit stays NaN.
+    p = np.where(l != 0, p / l, 0)
+    lse = np.where(l[..., 0] != 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
   zr = np.ones_like(p)
   if dropout_rate > 0:
     zr = dropout_keep_numpy(dropout_seed, B, N, T, S, dropout_rate) / (1 - dropout_rate)

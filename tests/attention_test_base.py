@@ -29,7 +29,16 @@ SHAPES = [
     (1, 257, 1, 2, 2, 32),
 ]
 # Small tiles so that the awkward lengths above span several tiles and clip the last.
-TEST_BLOCKS = jflash.BlockSizes(32, 32, 32, 32, 32, 32)
+TEST_BLOCKS = (32, 32)
+
+
+def tile_config(implementation, block_q, block_k):
+  """One tile shape as the implementation's own config (None for one without tiles)."""
+  if implementation == "pallas":
+    return jflash.PallasConfig(block_q, block_k, block_q, block_k, block_q, block_k)
+  if implementation == "xla_chunked":
+    return jflash.ChunkedConfig(block_k)
+  return None
 
 
 def floor(dtype, ref, head_dim):
@@ -63,7 +72,7 @@ class AttentionTestBase:
 
   def attn(self, q, k, v, **kw):
     return jflash.attention(q, k, v, implementation=self.implementation,
-                            block_sizes=self.blocks, **kw)
+                            config=tile_config(self.implementation, *self.blocks), **kw)
 
   def fwd_bwd(self, fn, q, k, v, do):
     """(out, dq, dk, dv) of `fn`, compiled as one program."""
@@ -137,9 +146,9 @@ class AttentionTestBase:
       loss = lambda impl, blocks: lambda q, k, v: (
           lambda o_l: jnp.sum(o_l[0] ** 2) + jnp.sum(w * o_l[1]))(
               jflash.attention(q, k, v, is_causal=True, implementation=impl,
-                               block_sizes=blocks, return_residuals=True))
+                               config=tile_config(impl, *blocks), return_residuals=True))
       got = jax.jit(jax.grad(loss(self.implementation, self.blocks), argnums=(0, 1, 2)))(q, k, v)
-      want = jax.jit(jax.grad(loss("xla", None), argnums=(0, 1, 2)))(q, k, v)
+      want = jax.jit(jax.grad(loss("xla", self.blocks), argnums=(0, 1, 2)))(q, k, v)
       for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-11)
 
@@ -183,8 +192,8 @@ class AttentionTestBase:
     # float32 statistics keep the error at the plain upcasting implementation's.
     q, k, v, _ = random_qkv((1, 16, 4096, 1, 1, 32), jnp.float16, seed=7)
     ref, _ = jflash.attention_numpy(q, k, v)
-    blocks = jflash.BlockSizes(16, 512, 16, 512, 16, 512)
-    got = jflash.attention(q, k, v, implementation=self.implementation, block_sizes=blocks)
+    got = jflash.attention(q, k, v, implementation=self.implementation,
+                           config=tile_config(self.implementation, 16, 512))
     plain = jflash.attention(q, k, v, implementation="xla")
     self.assert_within_rule(got, plain, ref, jnp.float16, "out")
 

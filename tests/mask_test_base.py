@@ -1,4 +1,4 @@
-"""One test base for the mask options of every implementation (issue 3); each
+"""One test base for the mask options of every implementation; each
 implementation subclasses it in one line in tests/test_masks.py.
 
 Every option and the main pairs of options run forward and backward (the bias
@@ -28,11 +28,12 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash.masks import MaskArrays, dense_keep_numpy, dropout_keep_numpy, seed_from_key
-from tests.attention_test_base import floor, max_err
+from jflash.masks import Masks, dense_keep_numpy, seed_from_key
+from pallas_kernels.masking import dropout_keep_numpy
+from tests.attention_test_base import floor, max_err, tile_config
 
 # Tiles of 16 so that T, S of 40-100 span several tiles and clip the last one.
-BLOCKS = jflash.BlockSizes(16, 16, 16, 16, 16, 16)
+BLOCKS = (16, 16)
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
@@ -198,10 +199,10 @@ def fully_masked_rows(name: str) -> np.ndarray:
   window = kw.get("local_window_size")
   window = (window, window) if isinstance(window, int) else window
   keep = dense_keep_numpy(
-      B, N, T, S, is_causal=kw.get("is_causal", False), window=window,
-      masks=MaskArrays(mask=a.get("mask"), q_lengths=a.get("query_seq_lengths"),
-                       kv_lengths=a.get("key_value_seq_lengths"), q_segment_ids=q_seg,
-                       kv_segment_ids=kv_seg))
+      B, N, T, S, Masks(is_causal=kw.get("is_causal", False), window=window,
+                        mask=a.get("mask"), q_lengths=a.get("query_seq_lengths"),
+                        kv_lengths=a.get("key_value_seq_lengths"), q_segment_ids=q_seg,
+                        kv_segment_ids=kv_seg))
   return ~keep.any(-1)
 
 
@@ -220,7 +221,8 @@ def case_fn(implementation: str, name: str, dtype_name: str, blocks=BLOCKS):
 
       def f(q, k, v, bias):
         return jflash.attention(q, k, v, bias, implementation=implementation,
-                                block_sizes=blocks, return_residuals=True, **kwargs, **arrays)
+                                config=tile_config(implementation, *blocks),
+                                return_residuals=True, **kwargs, **arrays)
       (out, lse), vjp = jax.vjp(f, q, k, v, bias)
       return (out, lse, *vjp((do, jnp.zeros_like(lse))))
     _FNS[key] = jax.jit(run)
@@ -371,7 +373,8 @@ class MaskTestBase:
     def program(**kw):
       def run(q, k, v, do, rng):
         f = lambda q, k, v: jflash.attention(
-            q, k, v, is_causal=True, block_sizes=BLOCKS, implementation=self.implementation,
+            q, k, v, is_causal=True, config=tile_config(self.implementation, *BLOCKS),
+            implementation=self.implementation,
             **{key: (rng if val == "rng" else val) for key, val in kw.items()})
         out, vjp = jax.vjp(f, q, k, v)
         return (out, *vjp(do))
@@ -398,7 +401,7 @@ class MaskTestBase:
     rng = jax.random.key(11)
     f = jax.jit(lambda q, k, v, rng: jflash.attention(
         q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=self.implementation,
-        block_sizes=BLOCKS))
+        config=tile_config(self.implementation, *BLOCKS)))
     scaled = np.asarray(f(q, k, v, rng), np.float64) * S * (1 - rate)   # [B, T, N, S]
     z = np.rint(scaled)
     np.testing.assert_allclose(scaled, z, rtol=0, atol=1e-4)
@@ -454,4 +457,5 @@ class MaskTestBase:
         "softcap_inf": (dict(logits_soft_cap=float("inf")), "got inf"),
     }[what]
     with pytest.raises(ValueError, match=re.escape(msg)):
-      jflash.attention(q, k, v, implementation=self.implementation, block_sizes=BLOCKS, **kw)
+      jflash.attention(q, k, v, implementation=self.implementation,
+                       config=tile_config(self.implementation, *BLOCKS), **kw)

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 import jflash
 from jflash import api
@@ -42,7 +43,17 @@ def test_bad_input_raises_value_error(bad, match):
     ({"scale": float("nan")}, r"scale must be finite, got scale=nan"),
     ({"scale": "big"}, r"scale must be a Python number"),
     ({"is_causal": 1}, r"is_causal must be a bool, got 1"),
-    ({"block_sizes": (64, 64)}, r"block_sizes must be a jflash.BlockSizes"),
+    ({"config": (64, 64)}, r"config must be a jflash.config backend config"),
+    ({"config": jflash.PallasConfig(), "implementation": "xla_chunked"},
+     r"config=PallasConfig\(.*\) is for implementation 'pallas', which is not among the "
+     r"candidate implementations \('xla_chunked',\)"),
+    ({"config": jflash.HipConfig()}, r"'hip', which is not among the candidate"),  # CPU default
+    ({"config": jflash.HipConfig(), "implementation": ("pallas", "xla")}, r"'hip'"),
+    ({"config": (jflash.ChunkedConfig(64), jflash.ChunkedConfig(32)),
+      "implementation": "xla_chunked"}, r"two configs for backend 'xla_chunked'"),
+    ({"dropout_rate": 0.1, "dropout_rng": jnp.float32(3)}, r"dropout_rng must be one PRNG key"),
+    ({"dropout_rate": 0.1, "dropout_rng": jnp.zeros((3,), jnp.uint32)}, r"dropout_rng"),
+    ({"dropout_rate": 0.1, "dropout_rng": jax.random.split(jax.random.key(0))}, r"dropout_rng"),
 ])
 def test_bad_options_raise_value_error(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -55,20 +66,63 @@ def test_bad_options_raise_value_error(kwargs, match):
     ({"num_warps": 0}, r"num_warps=0 must be a positive int"),
     ({"num_stages_dq": 1.5}, r"num_stages_dq=1.5 must be a positive int"),
 ])
-def test_bad_block_sizes(kwargs, match):
+def test_bad_pallas_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    jflash.BlockSizes(**kwargs)
+    jflash.PallasConfig(**kwargs)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: jflash.ChunkedConfig(0), r"block_k=0 must be a positive int"),
+    (lambda: jflash.ChunkedConfig(None), r"block_k=None must be a positive int"),
+    (lambda: jflash.HipConfig(block_q=64), r"must both be set"),
+    (lambda: jflash.HipConfig(0, 64), r"block_q=0 must be a positive int"),
+])
+def test_bad_backend_configs(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_config_tunes_only_its_own_implementation():
+  # A fallback chain takes one config per backend; each reaches only its implementation.
+  q, k, v = qkv(T=40, S=40)
+  want, _ = jflash.attention_numpy(q, k, v, is_causal=True)
+  both = (jflash.PallasConfig(16, 16, 16, 16, 16, 16), jflash.ChunkedConfig(16))
+  got = jflash.attention(q, k, v, is_causal=True, implementation=("xla_chunked", "pallas"),
+                         config=both)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  cfg, _ = jflash.prepare(q, k, v, implementation="xla_chunked", config=both[1])
+  assert cfg.backend_config(jflash.ChunkedConfig) == both[1]
+  assert cfg.backend_config(jflash.PallasConfig) is None
+
+
+def test_prepare_is_the_validation_of_attention():
+  q, k, v = qkv()
+  cfg, masks = jflash.prepare(q, k, v, is_causal=True, local_window_size=3,
+                              logits_soft_cap=5, scale=0.5)
+  assert cfg == jflash.AttentionConfig(scale=0.5)
+  assert masks == jflash.Masks(is_causal=True, window=(3, 3), soft_cap=5.0)
+  assert masks.in_use() == ("is_causal", "window", "soft_cap")
+  with pytest.raises(ValueError, match="local_window_size"):
+    jflash.prepare(q, k, v, local_window_size=-1)
+
+
+def test_options_are_the_keywords_of_attention():
+  # jflash.nn checks option names against api.OPTIONS (no signature reading at run time).
+  import inspect
+  params = inspect.signature(jflash.attention).parameters
+  assert api.OPTIONS == frozenset(params) - {"query", "key", "value"}
 
 
 def test_launch_params_precedence():
   """Per-kernel values win over num_warps/num_stages, which win over the table."""
   from pallas_kernels.tuning import _TABLE, launch_params
   table = {kernel: _TABLE[64][kernel][2:] for kernel in ("fwd", "dkv", "dq")}
-  plain = jflash.BlockSizes()
+  from pallas_kernels.tuning import BlockSizes
+  plain = BlockSizes()
   assert [launch_params(64, plain, kn) for kn in ("fwd", "dkv", "dq")] == list(table.values())
-  both = jflash.BlockSizes(num_warps=2, num_stages=5)
+  both = BlockSizes(num_warps=2, num_stages=5)
   assert launch_params(48, both, "dkv") == (2, 5)  # 48 pads to 64
-  own = jflash.BlockSizes(num_warps=2, num_warps_dq=8, num_stages_dkv=1)
+  own = BlockSizes(num_warps=2, num_warps_dq=8, num_stages_dkv=1)
   assert launch_params(64, own, "dq") == (8, table["dq"][1])
   assert launch_params(64, own, "dkv") == (2, 1)
   assert launch_params(64, own, "fwd") == (2, table["fwd"][1])
@@ -83,7 +137,7 @@ def test_default_implementation_on_cpu():
 
 
 def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
-  def refuse(q, k, v, cfg, extras=None):
+  def refuse(q, k, v, cfg, masks):
     raise NotImplementedError("refuses everything")
 
   api.register_implementation("refuser", lambda: api.Implementation(
@@ -120,12 +174,72 @@ def test_residuals_are_exactly_q_k_v_out_lse():
   assert shapes == sorted([q.shape, k.shape, v.shape, q.shape, (1, 2, 64)]), shapes
 
 
-def test_pallas_rejects_head_dim_above_256():
+def test_head_dim_limits_per_implementation():
+  # The README's table: "xla" and "xla_chunked" take any head_dim >= 1, "pallas" up to
+  # 256 (a NotImplementedError from the implementation that cannot, so a sequence of
+  # names moves on); head_dim 0 is an invalid value for all (ValueError).
   q, k, v = qkv(H=300)
+  want, _ = jflash.attention_numpy(q, k, v)
+  for impl in ("xla", "xla_chunked"):
+    np.testing.assert_allclose(jflash.attention(q, k, v, implementation=impl), want,
+                               atol=1e-5, err_msg=impl)
   with pytest.raises(NotImplementedError, match="head_dim <= 256, got 300"):
     jflash.attention(q, k, v, implementation="pallas")
+  np.testing.assert_allclose(
+      jflash.attention(q, k, v, implementation=("pallas", "xla_chunked")), want, atol=1e-5)
+  for impl in ("xla", "xla_chunked", "pallas", "hip"):
+    with pytest.raises(ValueError, match="head_dim length must be >= 1, got 0"):
+      jflash.attention(*qkv(H=0), implementation=impl)
 
 
 def test_hip_on_cpu_is_not_implemented():
   with pytest.raises(NotImplementedError):
     jflash.attention(*qkv(dtype=jnp.float16), implementation="hip")
+
+
+_FORWARD_MODE = {
+    "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
+    "jit_jvp": lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+    "jit_jacfwd": lambda f, x: jax.jit(jax.jacfwd(f))(x),
+    "linearize": lambda f, x: jax.linearize(f, x)[1](x),
+    "check_grads_fwd": lambda f, x: check_grads(f, (x,), order=1, modes=["fwd"]),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(_FORWARD_MODE))
+@pytest.mark.parametrize("wrt", ["query", "bias"])
+def test_forward_mode_names_jflash_and_the_way_out(transform, wrt):
+  q, k, v = qkv(T=4, S=4, H=8)
+  bias = jnp.zeros((1, 1, 4, 4))
+  f = {"query": lambda q: jflash.attention(q, k, v, bias, implementation="xla_chunked"),
+       "bias": lambda b: jflash.attention(q, k, v, b, implementation="xla_chunked")}[wrt]
+  with pytest.raises(NotImplementedError, match=r"jflash.attention defines reverse-mode"
+                     r"(.|\n)*use implementation='xla'"):
+    _FORWARD_MODE[transform](f, q if wrt == "query" else bias)
+
+
+def test_forward_mode_through_xla_and_reverse_mode_unchanged():
+  # The way out works (checked against finite differences in float64), and the guard
+  # the flash paths put on their inputs is the identity for reverse mode, also twice.
+  with jax.enable_x64(True):
+    q, k, v = qkv(T=5, S=6, H=4, dtype=jnp.float64)
+    xla = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation="xla")
+    check_grads(xla, (q, k, v), order=1, modes=["fwd"])
+    chunked = lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
+                                               implementation="xla_chunked")
+    check_grads(chunked, (q, k, v), order=2, modes=["rev"])
+
+
+def test_row_the_masks_empty_is_zeros_where_jax_nn_gives_the_mean_of_v():
+  # The documented difference from jax.nn (README, attention's docstring), with a bias:
+  # row 2 of the mask hides every key.
+  q, k, v = qkv(T=4, S=4, N=1, K=1)
+  mask = jnp.ones((1, 1, 4, 4), bool).at[0, 0, 2, :].set(False)
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, 4, 4)), jnp.float32)
+  theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
+  np.testing.assert_allclose(theirs[0, 2, 0], v[0, :, 0].mean(0), atol=1e-6)
+  for impl in ("xla", "xla_chunked"):
+    ours = jflash.attention(q, k, v, bias, mask, implementation=impl)
+    np.testing.assert_array_equal(ours[0, 2], 0)
+    np.testing.assert_allclose(np.delete(ours, 2, 1), np.delete(theirs, 2, 1), atol=1e-6)

@@ -1,7 +1,8 @@
-"""Mask options of every implementation (issue 3) through tests/mask_test_base.py, the
+"""Mask options of every implementation through tests/mask_test_base.py, the
 proof that the Pallas kernels skip masked tiles, and the CPU smoke run of
 experiments/bench_masks.py.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from jflash.masks import MaskArrays, tile_classes, visited_tiles
+from jflash.masks import Masks, tile_classes, visited_tiles
 from pallas_kernels.masking import MaskOperands, MaskOptions, build_ranges
 from pallas_kernels.tuning import default_block_sizes
 from tests.attention_test_base import floor, max_err
@@ -48,13 +49,16 @@ def _per_block(T, opts, bq, bk, masks=None, transpose=False):
   B = 1 if masks is None else masks.q_segment_ids.shape[0]
   ops = MaskOperands() if masks is None else MaskOperands(
       schedule=lambda block_q, block_k: tile_classes(
-          B=B, T=T, S=T, block_q=block_q, block_k=block_k, opts=MaskOptions(), masks=masks),
+          B=B, T=T, S=T, block_q=block_q, block_k=block_k, masks=masks),
       q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids)
   r = np.asarray(build_ranges(ops, opts, B=B, T=T, S=T, block_q=bq, block_k=bk,
                               transpose=transpose))
-  per_block = r[..., 3] - r[..., 0]
+  per_block = r[..., 3] - r[..., 0]  # hi - lo of (lo, full_lo, full_hi, hi, q_len, kv_len, ...)
   if not transpose:
-    classes = tile_classes(B=B, T=T, S=T, block_q=bq, block_k=bk, opts=opts, masks=masks)
+    static = Masks(is_causal=opts.is_causal, window=opts.window)
+    classes = tile_classes(B=B, T=T, S=T, block_q=bq, block_k=bk,
+                           masks=static if masks is None else dataclasses.replace(
+                               masks, is_causal=opts.is_causal, window=opts.window))
     assert int(visited_tiles(classes)) == per_block.sum()
   return per_block
 
@@ -93,7 +97,7 @@ def test_packed_documents_skip_tiles_across_documents():
   bs = default_block_sizes(64)
   T = 8192
   ids = jnp.asarray(np.repeat(np.arange(8), T // 8)[None], jnp.int32)
-  masks = MaskArrays(q_segment_ids=ids, kv_segment_ids=ids)
+  masks = Masks(q_segment_ids=ids, kv_segment_ids=ids)
   causal = MaskOptions(is_causal=True)
   docs = _per_block(T, causal, bs.block_q, bs.block_k, masks=masks).sum()
   full = _per_block(T, causal, bs.block_q, bs.block_k).sum()

@@ -134,7 +134,7 @@ def test_nnx_dense_mask_forwarded_or_refused(kind):
   x, ct = _x(SHAPE), _x(SHAPE, 1)
   mask = _mask(kind)
   mha = _nnx_mha(jnn.make_attention_fn())
-  if "mask" in jnn.attention_parameters():
+  if "mask" in jflash.api.OPTIONS:
     flax32, ref64 = _flax_default_pair((("mask", kind),))
     _compare(_nnx_out_and_grads(mha, x, ct, mask=mask), flax32, ref64)
   else:
@@ -180,7 +180,7 @@ def test_linen_drop_in_matches_flax(causal):
 def test_linen_dense_mask_forwarded_or_refused():
   x, ct = _x(SHAPE), _x(SHAPE, 1)
   mask = linen.make_causal_mask(x[..., 0])
-  if "mask" in jnn.attention_parameters():
+  if "mask" in jflash.api.OPTIONS:
     got = _linen_out_and_grads(jnn.make_attention_fn(), x, ct, mask=mask)
     _compare(got, *_linen_default_pair(True))
   else:
@@ -195,7 +195,7 @@ def test_adapter_bias_forwarded_or_refused(shape):
   fn = jnn.make_attention_fn()
   q, k, v = _x((2, 9, 4, 16)), _x((2, 9, 2, 16), 1), _x((2, 9, 2, 16), 2)
   bias = _x(shape, 3)
-  if "bias" not in jnn.attention_parameters():
+  if "bias" not in jflash.api.OPTIONS:
     with pytest.raises(NotImplementedError, match="bias"):
       fn(q, k, v, bias=bias)
     return
@@ -211,7 +211,7 @@ def test_adapter_dropout_forwarded_or_refused():
   fn = jnn.make_attention_fn()
   q = _x((1, 8, 2, 16))
   key = jax.random.key(0)
-  if "dropout_rate" not in jnn.attention_parameters():
+  if "dropout_rate" not in jflash.api.OPTIONS:
     with pytest.raises(NotImplementedError, match="dropout"):
       fn(q, q, q, dropout_rate=0.1, dropout_rng=key, broadcast_dropout=False)
   else:
@@ -219,7 +219,7 @@ def test_adapter_dropout_forwarded_or_refused():
     b = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=False)
     np.testing.assert_array_equal(a, b)          # a function of the key
     assert not np.allclose(a, fn(q, q, q), atol=1e-3)
-  if "broadcast_dropout" not in jnn.attention_parameters():
+  if "broadcast_dropout" not in jflash.api.OPTIONS:
     # Flax's default shares one mask over batch and heads: a different distribution.
     with pytest.raises(NotImplementedError, match="broadcast_dropout"):
       fn(q, q, q, dropout_rate=0.1, dropout_rng=key)
@@ -293,7 +293,7 @@ def test_attention_module_standard_equals_flash():
 def test_window_and_segment_options():
   """Forwarded to jflash.attention when it has them (checked against the same call made
   directly), NotImplementedError when it does not."""
-  params = jnn.attention_parameters()
+  params = jflash.api.OPTIONS
   x = _x((2, 12, 32))
   seg = jnp.array([[0] * 5 + [1] * 7, [0] * 12], jnp.int32)
   if "local_window_size" not in params:
@@ -318,6 +318,21 @@ def test_window_and_segment_options():
     np.testing.assert_allclose(attn(x, segment_ids=seg), want, atol=1e-5, rtol=1e-5)
   with pytest.raises(NotImplementedError, match="cudnn"):
     jnn.Attention(32, 4, implementation="cudnn", local_window_size=(8, 0), rngs=nnx.Rngs(0))
+
+
+def test_attention_module_validates_options_at_construction():
+  # jflash.prepare on the head shapes: bad values fail when the module is built.
+  with pytest.raises(ValueError, match="local_window_size"):
+    jnn.Attention(32, 4, local_window_size=(-1, 0), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="for implementation 'pallas', which is not among"):
+    jnn.Attention(32, 4, implementation="xla_chunked", config=jflash.PallasConfig(),
+                  rngs=nnx.Rngs(0))
+  attn = jnn.Attention(32, 4, implementation="xla_chunked", use_rope=False,
+                       config=jflash.ChunkedConfig(4), rngs=nnx.Rngs(0))
+  x = _x((1, 10, 32))
+  q, k, v = attn.query(x), attn.key(x), attn.value(x)
+  want = attn.out(jflash.attention(q, k, v, is_causal=True, implementation="xla"))
+  np.testing.assert_allclose(attn(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_lm_config_validates():

@@ -38,8 +38,9 @@ CASES = [
     ("p4-causal-contiguous-mha", 4, True, "contiguous", 4, 4, {}),
     ("p8-full-mqa", 8, False, "contiguous", 4, 1, {}),
     ("p8-causal-zigzag-gqa-lse", 8, True, "zigzag", 4, 2, {"return_residuals": True}),
-    # check_vma=True with a test implementation whose body is vma-clean: the ring's
-    # own code (switch branches, scan carries, custom_vjp) must type-check under it.
+    # Every case runs under check_vma=True (sharded_ring_attention's default), so
+    # "xla_chunked" must type-check; this one runs a materialising implementation with
+    # no scan, so the ring's own code (switch branches, scan carries, custom_vjp) must.
     ("p4-causal-zigzag-gqa-checkvma", 4, True, "zigzag", 4, 2,
      {"implementation": "dense_test", "check_vma": True}),
     # packed documents: the key ids travel round the ring with their K/V block
@@ -77,29 +78,34 @@ def _truth(q, k, v, do, dl, scale, causal, ids=None):
 
 def _register_dense_test_impl():
   """A materialising flash-type implementation with no scan carries (vma-clean) and no
-  mask arrays (`extras=`), registered in the worker only."""
+  masks but causal (its `supports` refuses the rest), registered in the worker only."""
   import jax.numpy as jnp
   from jflash import api
 
-  def logits(q, k, cfg):
+  def logits(q, k, cfg, masks):
     B_, T_, N, H_ = q.shape
     S, K = k.shape[1], k.shape[2]
     qg = q.reshape(B_, T_, K, N // K, H_)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k) * cfg.scale
-    if cfg.is_causal:
+    if masks.is_causal:
       s = jnp.where(jnp.tril(jnp.ones((T_, S), bool)), s, -jnp.inf)
     return qg, s
 
-  def forward(q, k, v, cfg):
+  def supports(q, k, v, cfg, masks):
+    lacking = [n for n in masks.in_use() if n != "is_causal"]
+    if lacking:
+      raise NotImplementedError(f"dense_test has no {lacking}")
+
+  def forward(q, k, v, cfg, masks):
     B_, T_, N, H_ = q.shape
-    _, s = logits(q, k, cfg)
+    _, s = logits(q, k, cfg, masks)
     lse = jnp.log(jnp.sum(jnp.exp(s - s.max(-1, keepdims=True)), -1)) + s.max(-1)
     p = jnp.exp(s - lse[..., None])
     out = jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
     return out, lse.reshape(B_, N, T_)
 
-  def backward(q, k, v, out, lse, dout, dlse, cfg):
-    qg, s = logits(q, k, cfg)
+  def backward(q, k, v, out, lse, dout, dlse, cfg, masks):
+    qg, s = logits(q, k, cfg, masks)
     dog = dout.reshape(qg.shape)
     lse = lse.reshape(s.shape[:-1])
     p = jnp.exp(s - lse[..., None])
@@ -111,11 +117,11 @@ def _register_dense_test_impl():
 
   api.register_implementation(
       "dense_test", lambda: api.Implementation("dense_test", forward=forward,
-                                               backward=backward))
+                                               backward=backward, supports=supports))
 
 
 def _segments_unsupported_message():
-  """The error of segment_ids on an implementation without mask arrays."""
+  """The error of segment_ids on an implementation that does not support them."""
   import jax.numpy as jnp
   from jflash import parallel
 
@@ -138,11 +144,11 @@ def _run_case(P, causal, layout, N, K, extra):
 
   extra = dict(extra)
   block_k = extra.pop("block_k", None)
-  check_vma = extra.pop("check_vma", False)
+  check_vma = extra.pop("check_vma", True)  # the default of sharded_ring_attention
   residuals = extra.get("return_residuals", False)
   segments = extra.pop("segments", False)
   if block_k:
-    extra["block_sizes"] = jflash.BlockSizes(block_k=block_k)
+    extra["config"] = jflash.ChunkedConfig(block_k=block_k)
   extra.setdefault("implementation", "xla_chunked")
   rng = np.random.default_rng(P * 10 + N + K + causal)
   q = rng.standard_normal((B, T, N, H)).astype(np.float32)
@@ -174,8 +180,8 @@ def _run_case(P, causal, layout, N, K, extra):
 
   def ref_loss(q, k, v):
     out, lse = jflash.attention(q, k, v, is_causal=causal, scale=scale,
-                                implementation="xla_chunked", block_sizes=extra.get(
-                                    "block_sizes"), return_residuals=True, **seg_kw)
+                                implementation="xla_chunked", config=extra.get(
+                                    "config"), return_residuals=True, **seg_kw)
     return jnp.sum(out * do) + jnp.sum(lse * dl), (out, lse)
 
   got = {}
@@ -207,7 +213,7 @@ def _traced_work(P, layout):
             for s in range(P))
     return x + n
 
-  fn = parallel.shard_map(count, mesh=parallel.make_mesh(P),
+  fn = jax.shard_map(count, mesh=parallel.make_mesh(P),
                           in_specs=jax.sharding.PartitionSpec("sp"),
                           out_specs=jax.sharding.PartitionSpec("sp"))
   return [int(c) for c in jax.jit(fn)(jnp.zeros(P, jnp.int32))]
@@ -252,8 +258,8 @@ def _decoder_check():
       return jax.jit(local)(params, tokens, targets)
     seq = jax.sharding.PartitionSpec(None, axis)
     rep = jax.sharding.PartitionSpec()
-    fn = parallel.shard_map(local, mesh=parallel.make_mesh(P, axis), in_specs=(rep, seq, seq),
-                            out_specs=(rep, rep), check_vma=False)
+    fn = jax.shard_map(local, mesh=parallel.make_mesh(P, axis), in_specs=(rep, seq, seq),
+                       out_specs=(rep, rep), check_vma=False)
     return jax.jit(fn)(params, parallel.zigzag_permute(tokens, P),
                        parallel.zigzag_permute(targets, P))
 

@@ -1,0 +1,114 @@
+"""Per-backend configs: how one implementation is tuned, defined here for every backend.
+
+A config belongs to exactly one implementation (its `backend` names it) and is passed as
+`jflash.attention(..., config=...)`. Each implementation reads its own with
+`cfg.backend_config(ItsConfig)` and turns it into whatever record its kernel package
+takes, in its adapter module (jflash/pallas_impl.py for the Pallas kernels). A config
+for an implementation that is not among the call's candidates is a `ValueError`, never
+ignored.
+
+A new backend adds a subclass of `BackendConfig` here with `backend = "<name>"` and
+declares it as its `Implementation.config_type`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+
+def _check_tile(name, val):
+  # Triton tiles are powers of two, and tl.dot needs at least 16 rows.
+  if isinstance(val, bool) or not isinstance(val, int) or val < 16 or val & (val - 1):
+    raise ValueError(f"{name}={val!r} must be a power of two >= 16")
+
+
+def _check_positive(name, val, optional=True):
+  if val is None and optional:
+    return
+  if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+    raise ValueError(f"{name}={val!r} must be a positive int" + (" or None" if optional else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendConfig:
+  """Base of the per-backend configs (frozen: part of the compiled program)."""
+
+  backend: ClassVar[str] = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig(BackendConfig):
+  """Tiles (rows of Q x rows of K/V) and Triton launch parameters of the Pallas kernels.
+
+  Attributes:
+    block_q, block_k: forward tile; the forward grid runs over query blocks
+      (FlashAttention-2 loop order) and loops over key blocks.
+    block_q_dkv, block_k_dkv: the dK/dV kernel (grid over key blocks, loop over
+      query blocks and the query heads of a GQA group).
+    block_q_dq, block_k_dq: the dQ kernel (grid over query blocks, loop over keys).
+    num_warps, num_stages: Triton launch parameters of every kernel (ignored in
+      interpret mode); None picks from the tile table.
+    num_warps_dkv, num_stages_dkv, num_warps_dq, num_stages_dq: the same for one
+      backward kernel; they win over num_warps / num_stages.
+
+  Without a PallasConfig the kernels take the per-head_dim defaults of
+  pallas_kernels/tuning.py.
+  """
+
+  backend: ClassVar[str] = "pallas"
+
+  block_q: int = 64
+  block_k: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  num_warps: int | None = None
+  num_stages: int | None = None
+  num_warps_dkv: int | None = None
+  num_stages_dkv: int | None = None
+  num_warps_dq: int | None = None
+  num_stages_dq: int | None = None
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      val = getattr(self, f.name)
+      if f.name.startswith(("num_warps", "num_stages")):
+        _check_positive(f.name, val)
+      else:
+        _check_tile(f.name, val)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedConfig(BackendConfig):
+  """"xla_chunked": keys per `lax.scan` step.
+
+  The default is large enough that each step is a real matmul on a CPU and small
+  enough that the [T, block_k] score tile stays far below the T x S matrix.
+  """
+
+  backend: ClassVar[str] = "xla_chunked"
+
+  block_k: int = 256
+
+  def __post_init__(self):
+    _check_positive("block_k", self.block_k, optional=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class HipConfig(BackendConfig):
+  """"hip": the (block_q, block_k) tile, one of those compiled for the head_dim
+  (`hip_ffi.tile_table()`); None for both takes the first compiled tile. A tile that
+  is not compiled is a `NotImplementedError` from the implementation."""
+
+  backend: ClassVar[str] = "hip"
+
+  block_q: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    _check_positive("block_q", self.block_q)
+    _check_positive("block_k", self.block_k)
+    if (self.block_q is None) != (self.block_k is None):
+      raise ValueError(f"block_q={self.block_q!r} and block_k={self.block_k!r} must both "
+                       "be set (one compiled tile) or both be None (the default tile)")
