@@ -127,16 +127,15 @@ def jflash_tile_fraction(case: MaskCase) -> float | str:
 
 
 def _tile_fraction(case: MaskCase) -> float:
-  from jflash.masks import MaskArrays, tile_classes, visited_tiles
-  from pallas_kernels.masking import MaskOptions
+  from jflash.masks import Masks, tile_classes, visited_tiles
   from pallas_kernels.tuning import default_block_sizes
   bs = default_block_sizes(case.d)
-  opts = MaskOptions(is_causal=True, window=(case.window, 0) if case.window else None)
+  window = (case.window, 0) if case.window else None
 
   def fraction(ids):
-    masks = None if ids is None else MaskArrays(q_segment_ids=ids, kv_segment_ids=ids)
+    masks = Masks(is_causal=True, window=window, q_segment_ids=ids, kv_segment_ids=ids)
     classes = tile_classes(B=case.batch, T=case.s, S=case.s, block_q=bs.block_q,
-                           block_k=bs.block_k, opts=opts, masks=masks)
+                           block_k=bs.block_k, masks=masks)
     return visited_tiles(classes) / classes.size
   if case.kind == "docs":  # one program instead of dozens of eager ops
     return float(jax.jit(fraction)(jnp.asarray(segment_ids(case))))

@@ -172,7 +172,7 @@ def comm_only(mesh, P, B, T, K, H, dtype):
     return kv[0] + acc[0].astype(dtype), kv[1] + acc[1].astype(dtype)
 
   spec = PartitionSpec(None, AXIS)
-  return jax.jit(parallel.shard_map(local, mesh=mesh, in_specs=(spec, spec),
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec),
                                     out_specs=(spec, spec), check_vma=False))
 
 
@@ -280,7 +280,7 @@ def lm(args, mesh, P, deadline):
 
     seq = PartitionSpec(None, AXIS)
     rep = PartitionSpec()
-    step_p = jax.jit(parallel.shard_map(local, mesh=mesh, in_specs=(rep, rep, seq, seq),
+    step_p = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, seq, seq),
                                         out_specs=(rep, rep, rep), check_vma=False))
     tok_p = parallel.zigzag_permute(tokens, P)
     tgt_p = parallel.zigzag_permute(targets, P)

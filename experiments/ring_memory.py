@@ -115,8 +115,8 @@ def sharded_step(graphdef, mesh):
   # ring by hand. With the varying-axes checker on, JAX already sums it when it
   # transposes the parameters' implicit broadcast to the varying axis, and the psum
   # would count every shard P times (measured: gradients 8x the unsharded ones at P=8).
-  return parallel.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), seq, seq),
-                            out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
+  return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), seq, seq),
+                       out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
 
 
 def _subjaxprs(eqn):

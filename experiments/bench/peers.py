@@ -64,7 +64,10 @@ def jflash_call(q, k, v, *, implementation, tiles: dict | None = None, **options
   """jflash.attention with optional explicit Pallas tile fields (the swept ones); the one
   place that names jflash's tile-config keyword."""
   if tiles is not None:
-    options["block_sizes"] = jflash.BlockSizes(**tiles)
+    # xla_chunked reads only the key block; every other implementation that is swept
+    # takes the Pallas tile record.
+    options["config"] = (jflash.ChunkedConfig(tiles["block_k"]) if implementation == "xla_chunked"
+                         else jflash.PallasConfig(**tiles))
   return jflash.attention(q, k, v, implementation=implementation, **options)
 
 
