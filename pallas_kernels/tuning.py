@@ -65,11 +65,15 @@ KERNELS = ("fwd", "dkv", "dq")
 
 
 def padded_head_dim(head_dim: int) -> int:
-  """Head dim rounded up to a power of two >= 16 (what a Triton tile can hold)."""
+  """Head dim rounded up to a power of two >= 16: the width of a Triton tile (the arrays
+  keep their own head dim; the kernels mask the extra columns)."""
   return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def _row(head_dim: int):
+  """The table's row for this head dim, else for its padded tile width."""
+  if head_dim in _TABLE:
+    return _TABLE[head_dim]
   hp = padded_head_dim(head_dim)
   if hp not in _TABLE:
     raise NotImplementedError(f"head_dim={head_dim} (padded {hp}) > 256 has no tile table entry")
