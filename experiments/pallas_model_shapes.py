@@ -50,6 +50,7 @@ class Shape:
   K: int
   H: int
   causal: bool
+  dkv_splits: str = ""   # JFLASH_DKV_SPLITS while jflash compiles ("" = the heuristic)
 
   def flops(self, mode="fwd+bwd"):
     f = 4.0 * self.B * self.T * self.T * self.N * self.H / (2 if self.causal else 1)
@@ -60,6 +61,7 @@ class Shape:
 # 413.7 TF/s fwd+bwd) and the MHA point of the compile-time comparison.
 GPU_SHAPES = [
     Shape("mqa16_16k_causal", 1, 16384, 16, 1, 128, True),
+    Shape("mqa16_16k_causal_nosplit", 1, 16384, 16, 1, 128, True, "1"),
     Shape("mha16_16k_causal", 1, 16384, 16, 16, 128, True),
     Shape("gqa32_8_8k_causal", 1, 8192, 32, 8, 128, True),
     Shape("d128_4k", 4, 4096, 16, 16, 128, False),
@@ -71,9 +73,12 @@ GPU_SHAPES = [
     Shape("t3000_causal", 4, 3000, 16, 16, 128, True),
     Shape("d96_4k_causal", 4, 4096, 16, 16, 96, True),
     Shape("d192_4k_causal", 4, 4096, 8, 8, 192, True),
+    Shape("mqa16_2k_causal", 1, 2048, 16, 1, 128, True),
+    Shape("mqa16_2k_causal_nosplit", 1, 2048, 16, 1, 128, True, "1"),
 ]
 TINY_SHAPES = [
     Shape("mqa4_tiny", 1, 100, 4, 1, 64, True),
+    Shape("mqa4_tiny_split2", 1, 100, 4, 1, 64, True, "2"),
     Shape("d96_tiny", 1, 97, 2, 2, 96, False),
 ]
 
@@ -204,7 +209,9 @@ def phase_measure(run: Run, shapes):
     outs = {}
     for impl, attn in (("jflash", jflash_attn(s)), ("cudnn", cudnn_attn(s))):
       try:
+        os.environ["JFLASH_DKV_SPLITS"] = s.dkv_splits if impl == "jflash" else ""
         compiled, sec, temp = compile_fn(fwd_bwd(attn), arg_sets[0])
+        os.environ["JFLASH_DKV_SPLITS"] = ""
         ms = median_ms(compiled, arg_sets, a.reps)
         outs[impl] = compiled(*arg_sets[0])
         row[impl] = {"compile_s": round(sec, 2), "temp_mib": temp, "ms": ms,

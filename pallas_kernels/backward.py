@@ -18,6 +18,8 @@ runs over query blocks and loops over key blocks. Splitting them avoids atomics 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,8 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
 def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num_heads, acc,
                 precision, head_blocked, fast_exp2):
   r = dict(zip(names, refs))
+  # Program axis 2 runs over blocks of `group` query heads (a whole GQA group, or a
+  # part of it when the group is split over programs); they share one key head.
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   col0 = j * block_k
   cols_in = common.tail(col0, S, block_k)          # the last key block may overrun S
@@ -177,7 +181,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
 
 
 def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
-  """Mask operands for the dK/dV kernel: all query rows, the key block, a head group."""
+  """Mask operands for the dK/dV kernel: all query rows, the key block, `G` query heads."""
   x = kernel_operands(ops)
   specs = {
       "q_seg": pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
@@ -199,6 +203,28 @@ def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
   return names, [x[n] for n in names], [specs[n] for n in names], head_blocked
 
 
+# Programs the dK/dV grid should have before a GQA group is split over several: about
+# three per multiprocessor of an H100/H200 (132), which at the kernel's two resident
+# programs per multiprocessor leaves room for causal programs of unequal length to even
+# out. Override with JFLASH_DKV_SPLITS (1 = never split).
+DKV_MIN_PROGRAMS = 3 * 132
+
+
+def dkv_splits(group: int, programs: int, interpret: bool) -> int:
+  """Parts each GQA group is split into over dK/dV programs (FlashAttention-2 sums
+  per-head dK/dV; here a part sums its heads in registers and the parts are added in
+  float32 afterwards): the fewest that reach DKV_MIN_PROGRAMS, dividing the group."""
+  forced = os.environ.get("JFLASH_DKV_SPLITS")
+  if forced:
+    return math.gcd(int(forced), group)
+  if interpret:
+    return 1
+  for p in range(1, group + 1):
+    if group % p == 0 and programs * p >= DKV_MIN_PROGRAMS:
+      return p
+  return group
+
+
 def backward_statistics(lse, out, dout, dlse=None):
   """(lse2, delta) [B, N, T]: the log-sum-exp in base 2 and delta = rowsum(dO * O)
   (minus the lse cotangent, if any), one fused XLA reduction each.
@@ -218,11 +244,12 @@ def backward_statistics(lse, out, dout, dlse=None):
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                    opts: MaskOptions | None = None, ops: MaskOperands | None = None,
                    block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-                   is_causal: bool | None = None):
+                   is_causal: bool | None = None, dkv_split: int | None = None):
   """Gradients of attention from the saved (q, k, v, out, lse) and the output cotangent.
 
   Returns (dq, dk, dv), and dbias (shaped like `ops.bias`) when a bias is given. As in
   the forward, no input is padded or copied: tails of T, S and H are masked loads.
+  `dkv_split` splits each GQA group over that many dK/dV programs (None: `dkv_splits`).
   """
   opts = opts or MaskOptions(is_causal=bool(is_causal))
   ops = ops or MaskOperands()
@@ -238,38 +265,49 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   lse2, delta = backward_statistics(lse, out, dout, dlse)
   sizes = dict(T=T, S=S, H=H, num_heads=N, acc=acc, precision=precision, fast_exp2=fast_exp2)
 
-  # -- dK, dV: grid over key blocks of each key head
+  # -- dK, dV: grid over key blocks of each key head (and, split, of parts of its group)
   bq = common.fit_block(blocks.block_q_dkv, T)
   bk = common.fit_block(blocks.block_k_dkv, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
+  P = dkv_splits(G, Sp // bk * B * K, interp) if dkv_split is None else dkv_split
+  if G % P:
+    raise ValueError(f"dkv_split={P} must divide the group size {G} (= {N} // {K})")
+  Gp = G // P   # query heads per program
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
-  x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=G, Tp=Tp, bk=bk)
+  x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=Gp, Tp=Tp, bk=bk)
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, "dk", "dv"]
+  if P == 1:
+    out_specs = [pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0))] * 2
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  else:
+    # Each part of a group writes its own float32 partial sums, added up below.
+    out_specs = [pl.BlockSpec((None, None, bk, None, Hp),
+                              lambda j, b, h: (h % P, b, j, h // P, 0))] * 2
+    out_shape = [jax.ShapeDtypeStruct((P, *k.shape), acc)] * 2
+  kv_head = lambda h: h // P
   dk, dv = pl.pallas_call(
       functools.partial(
           _dkv_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          group=G, head_blocked=head_blocked, **sizes),
-      grid=(Sp // bk, B, K),
+          group=Gp, head_blocked=head_blocked, **sizes),
+      grid=(Sp // bk, B, K * P),
       in_specs=[
-          pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # q, the group
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),  # k
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),  # v
-          pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # dout
-          pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # lse2
-          pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # delta
-          pl.BlockSpec((None, None, 8), lambda j, b, h: (b, j, 0)),        # ranges
+          pl.BlockSpec((None, Tp, Gp, Hp), lambda j, b, h: (b, 0, h, 0)),           # q
+          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, kv_head(h), 0)),  # k
+          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, kv_head(h), 0)),  # v
+          pl.BlockSpec((None, Tp, Gp, Hp), lambda j, b, h: (b, 0, h, 0)),           # dout
+          pl.BlockSpec((None, Gp, Tp), lambda j, b, h: (b, h, 0)),                  # lse2
+          pl.BlockSpec((None, Gp, Tp), lambda j, b, h: (b, h, 0)),                  # delta
+          pl.BlockSpec((None, None, 8), lambda j, b, h: (b, j, 0)),                 # ranges
           *x_specs,
       ],
-      out_specs=[
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=common.triton_params(*launch_params(H, blocks, "dkv")),
       interpret=interp,
       name="jflash_bwd_dkv",
   )(q, k, v, dout, lse2, delta, ranges, *x_arrays)
+  if P > 1:
+    dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
 
   # -- dQ (and dbias): grid over query blocks of each query head
   bq = common.fit_block(blocks.block_q_dq, T)

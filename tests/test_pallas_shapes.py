@@ -119,3 +119,24 @@ def test_a_row_the_mask_empties_is_zero_even_with_nan_in_its_query():
   for x in (out, dq, dv):   # (dK = dS^T Q meets the NaN row of Q as 0 * NaN, as any matmul)
     assert np.isfinite(x).all()
   assert (dq[0, 7] == 0).all()
+
+
+def test_split_group_matches_the_reference_like_the_whole_group():
+  # A GQA group split over several dK/dV programs sums the same terms in another order
+  # (float32 partial sums added afterwards): the 2x rule against the float64 truth.
+  import jflash
+  r = np.random.default_rng(3)
+  B, T, S, N, K, H = 1, 97, 113, 4, 1, 80
+  q, do = (r.standard_normal((B, T, N, H)).astype(np.float32) for _ in range(2))
+  k, v = (r.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
+  ref = jflash.attention_numpy(q, k, v, is_causal=True, dout=do)[2:5]
+  out, lse = flash_forward(q, k, v, scale=H ** -0.5, is_causal=True, interpret=True)
+  grads = {p: flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, is_causal=True,
+                             interpret=True, dkv_split=p) for p in (1, 2, 4)}
+  eps = float(np.finfo(np.float32).eps)
+  for p in (2, 4):
+    for name, g, g1, t in zip(("dq", "dk", "dv"), grads[p], grads[1], ref):
+      err, err1 = (float(np.max(np.abs(np.asarray(x, np.float64) - t))) for x in (g, g1))
+      assert err <= 2 * err1 + 4 * eps * np.sqrt(H) * max(1.0, np.abs(t).max()), (p, name)
+  with pytest.raises(ValueError, match="dkv_split=3"):
+    flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, interpret=True, dkv_split=3)
