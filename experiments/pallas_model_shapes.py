@@ -8,7 +8,8 @@ leaves what it measured):
            seconds (lower + compile, first call), compiled temp MiB, median ms, TF/s
   sweep    tiles/warps/stages per kernel for d = 256 and d = 96 (each candidate checked
            against a float32 reference under the 2x rule before it is timed)
-  retime   the sweep's best tiles, fwd+bwd, on the d = 80/96/256 shapes
+  retime   the sweep's best tiles, fwd+bwd, on the d = 80/96/192/256 shapes
+  measure  (again) the extra shapes: d = 96 causal, d = 192, MQA at 2K split and not
 
   python experiments/pallas_model_shapes.py --out-dir $OUT --budget 270
   python experiments/pallas_model_shapes.py --tiny   # CPU: tiny shapes, interpret mode
@@ -71,6 +72,8 @@ GPU_SHAPES = [
     Shape("d256_4k", 4, 4096, 8, 8, 256, False),
     Shape("t3072_causal", 4, 3072, 16, 16, 128, True),
     Shape("t3000_causal", 4, 3000, 16, 16, 128, True),
+]
+EXTRA_SHAPES = [   # measured last, as the budget allows
     Shape("d96_4k_causal", 4, 4096, 16, 16, 96, True),
     Shape("d192_4k_causal", 4, 4096, 8, 8, 192, True),
     Shape("mqa16_2k_causal", 1, 2048, 16, 1, 128, True),
@@ -384,6 +387,7 @@ def main(argv=None):
   p.add_argument("--phases", default="check,measure,sweep,retime")
   args = p.parse_args(argv)
   shapes = TINY_SHAPES if args.tiny else GPU_SHAPES
+  extra = [] if args.tiny else EXTRA_SHAPES
   sweep = TINY_SWEEP if args.tiny else SWEEP
   if args.tiny:
     args.reps = 2
@@ -399,7 +403,9 @@ def main(argv=None):
   if "sweep" in phases:
     phase_sweep(run, {s.name: s for s in shapes}, sweep)
   if "retime" in phases:
-    phase_retime(run, shapes, sweep)
+    phase_retime(run, shapes + extra, sweep)
+  if "measure" in phases:
+    phase_measure(run, extra)
   run.save()
   table(run)
   return 0
