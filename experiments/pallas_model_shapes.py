@@ -300,7 +300,8 @@ def phase_sweep(run: Run, shapes_by_name, sweep):
     # The 2x rule against the table's own tiles: a candidate may not be less accurate.
     for kernel, by_cand in results.items():
       table = CANDIDATES[hp][kernel][0]
-      if table not in by_cand:
+      if table not in by_cand:   # nothing to hold the others to: recorded, not timed
+        run.data["sweep"].extend(row for _, _, row in by_cand.values())
         continue
       base_err = by_cand[table][2]["err"]
       names = list(base_err)
