@@ -9,9 +9,11 @@ reading a stored [T, S] matrix (FlashAttention-2, Algorithm 2), with
 
 The dK/dV kernel runs over key blocks and loops over the query heads of a GQA group
 and, inside, over the query blocks, so dK/dV of a shared key head are summed in
-registers without repeating K/V; the head loop is a runtime loop, so the kernel's size
-does not depend on the group. It works on the transposed tile S^T = K Q^T, so P~^T and dS'^T
-enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel
+registers without repeating K/V. The head loop runs at run time, so the kernel's size
+does not depend on the group; where key blocks alone leave the GPU short of programs
+(MQA, short sequences), a group is split over several programs whose float32 partial
+sums are added afterwards. It works on the transposed tile S^T = K Q^T, so P~^T and
+dS'^T enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel
 runs over query blocks and loops over key blocks. Splitting them avoids atomics on dQ
 (FlashAttention-2, section 3.2).
 """
@@ -29,7 +31,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.forward import mask_inputs, query_block_order
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    kernel_operands, tile_scores, visit_tiles, times)
+                                    kernel_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -123,7 +125,7 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
   def one_head(g, carry):
     return visit_tiles(ranges, functools.partial(body, g=g), carry)
 
-  if group == 1:  # (an int32 scalar: a Python int index trips the interpreter's masked load)
+  if group == 1:  # an int32 index: interpret mode's masked load rejects a Python int
     dk, dv = one_head(jnp.int32(0), (dk, dv))
   else:
     dk, dv = lax.fori_loop(0, group, one_head, (dk, dv))
