@@ -7,16 +7,21 @@ reading a stored [T, S] matrix (FlashAttention-2, Algorithm 2), with
   dS' = dS * (1 - tanh^2) under a soft cap, and delta = rowsum(dO * O) (minus the lse
   cotangent, if any). The bias gradient is dS.
 
-The dK/dV kernel runs over key blocks and loops over the query blocks *and the
-query heads of a GQA group*, so dK/dV of a shared key head are summed in registers
-without repeating K/V. It works on the transposed tile S^T = K Q^T, so P~^T and dS'^T
-enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel
+The dK/dV kernel runs over key blocks and loops over the query heads of a GQA group
+and, inside, over the query blocks, so dK/dV of a shared key head are summed in
+registers without repeating K/V. The head loop runs at run time, so the kernel's size
+does not depend on the group; where key blocks alone leave the GPU short of programs
+(MQA, short sequences), a group is split over several programs whose float32 partial
+sums are added afterwards. It works on the transposed tile S^T = K Q^T, so P~^T and
+dS'^T enter dV += P~^T dO and dK += dS'^T Q straight from the accumulator. The dQ kernel
 runs over query blocks and loops over key blocks. Splitting them avoids atomics on dQ
 (FlashAttention-2, section 3.2).
 """
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +30,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.forward import mask_inputs, query_block_order
-from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores, times, visit_tiles)
+from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
+                                    kernel_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -44,8 +49,12 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
                         col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg,
                         mask_tile=mask_tile, bias_tile=bias_tile, transposed=transposed)
   per_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
-  # lse2 is +inf on rows with no visible key and on padded rows: P = 0 there.
+  # lse2 is +inf on rows with no visible key and on rows past T: P = 0 there.
   p = common.exp2(times(s, c) - per_row(lse2), fast_exp2)
+  if masked or mask_tile is not None:
+    # A hidden key has P = 0 even on a row whose lse is NaN (exp2(-inf - NaN) is NaN):
+    # the NaN of that row reaches the gradients of the keys it sees, not of every key.
+    p = jnp.where(s == -jnp.inf, 0.0, p)
   if transposed:
     dp = common.dot(v, do, trans_b=True, acc=acc, precision=precision)
   else:
@@ -61,91 +70,121 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
   return p_out, ds, ds_logits
 
 
-def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, group, num_heads, acc,
+def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num_heads, acc,
                 precision, head_blocked, fast_exp2):
   r = dict(zip(names, refs))
+  # Program axis 2 runs over blocks of `group` query heads (a whole GQA group, or a
+  # part of it when the group is split over programs); they share one key head.
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  k = r["k"][...]                                            # [bk, Hp]
-  v = r["v"][...]
+  col0 = j * block_k
+  cols_in = common.tail(col0, S, block_k)          # the last key block may overrun S
+  head_in = common.tail(0, H, r["k"].shape[-1])
+  k = common.load(r["k"], cols_in, head_in)        # [bk, Hp]
+  v = common.load(r["v"], cols_in, head_in)
   ranges = r["ranges"]
   kv_len = ranges[5]
-  kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
+  kv_seg = common.load(r["kv_seg"], cols_in, other=FILL["kv_seg"]) if "kv_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   dk = jnp.zeros(k.shape, acc)
   dv = jnp.zeros(v.shape, acc)
 
-  def dense(name, rows, g):
-    if name not in r:
-      return None
-    return r[name][g, rows, :] if head_blocked[name] else r[name][rows, :]
-
   def body(i, carry, g, masked):
     dk, dv = carry
-    rows = pl.ds(i * block_q, block_q)
-    q = r["q"][rows, g, :]
-    do = r["do"][rows, g, :]
+    row0 = i * block_q
+    rows = pl.ds(row0, block_q)
+    # A query tile may overrun T whatever its class (the classes look at keys only), so
+    # the query-side loads are masked on every tile when T is not whole tiles. Rows past
+    # T read q = dO = delta = 0 and lse2 = +inf: P = 0 and dS = 0 there.
+    rows_in = common.tail(row0, T, block_q)
+    q = common.load(r["q"].at[rows, g, :], rows_in, head_in)
+    do = common.load(r["do"].at[rows, g, :], rows_in, head_in)
+
+    def dense(name):
+      if name not in r:
+        return None
+      ref = r[name].at[g, rows, :] if head_blocked[name] else r[name].at[rows, :]
+      return common.load(ref, rows_in, cols_in, other=FILL[name])
+
     p_t, _, ds_t = _tile_grads(           # [bk, bq]: P~^T and dS'^T
-        q, k, v, do, r["lse2"][g, rows], r["delta"][g, rows], opts=opts, scale=scale,
-        acc=acc, precision=precision, row0=i * block_q, col0=j * block_k, masked=masked,
-        kv_len=kv_len, q_seg=r["q_seg"][rows] if "q_seg" in r else None, kv_seg=kv_seg,
-        mask_tile=dense("mask", rows, g), bias_tile=dense("bias", rows, g), seed=seed,
+        q, k, v, do, common.load(r["lse2"].at[g, rows], rows_in, other=jnp.inf),
+        common.load(r["delta"].at[g, rows], rows_in), opts=opts, scale=scale,
+        acc=acc, precision=precision, row0=row0, col0=col0, masked=masked,
+        kv_len=kv_len,
+        q_seg=(common.load(r["q_seg"].at[rows], rows_in, other=FILL["q_seg"])
+               if "q_seg" in r else None),
+        kv_seg=kv_seg, mask_tile=dense("mask"), bias_tile=dense("bias"), seed=seed,
         batch=b, head=h * group + g, num_heads=num_heads, fast_exp2=fast_exp2,
         transposed=True)
     dv = dv + common.dot(p_t.astype(do.dtype), do, acc=acc, precision=precision)
     dk = dk + common.dot(ds_t.astype(q.dtype), q, acc=acc, precision=precision)
     return dk, dv
 
-  carry = (dk, dv)
-  for g in range(group):  # static: the query heads that share this key head
-    carry = visit_tiles(ranges, functools.partial(body, g=g), carry)
-  dk, dv = carry
-  r["dk"][...] = (dk * scale).astype(r["dk"].dtype)
-  r["dv"][...] = dv.astype(r["dv"].dtype)
+  # The query heads that share this key head run as a loop of the program, not as
+  # copies of its body, so the kernel's size does not grow with the group; their dK/dV
+  # sum in the same registers (no repeated K/V, no atomics).
+  def one_head(g, carry):
+    return visit_tiles(ranges, functools.partial(body, g=g), carry)
+
+  if group == 1:  # an int32 index: interpret mode's masked load rejects a Python int
+    dk, dv = one_head(jnp.int32(0), (dk, dv))
+  else:
+    dk, dv = lax.fori_loop(0, group, one_head, (dk, dv))
+  common.store(r["dk"], (dk * scale).astype(r["dk"].dtype), cols_in, head_in)
+  common.store(r["dv"], dv.astype(r["dv"].dtype), cols_in, head_in)
 
 
-def _dq_kernel(*refs, names, opts, scale, block_q, block_k, num_k_blocks, num_heads, acc,
-               precision, q_order, fast_exp2):
+def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_blocks, num_heads,
+               acc, precision, q_order, fast_exp2):
   r = dict(zip(names, refs))
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
-  q = r["q"][...]
-  do = r["do"][...]
-  lse2 = r["lse2"][...]
-  delta = r["delta"][...]
+  row0 = i * block_q
+  rows_in = common.tail(row0, T, block_q)
+  head_in = common.tail(0, H, r["q"].shape[-1])
+  q = common.load(r["q"], rows_in, head_in)
+  do = common.load(r["do"], rows_in, head_in)
+  lse2 = common.load(r["lse2"], rows_in, other=jnp.inf)
+  delta = common.load(r["delta"], rows_in)
   ranges = r["ranges"]
   lo, hi, kv_len = ranges[0], ranges[3], ranges[5]
-  q_seg = r["q_seg"][...] if "q_seg" in r else None
+  q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   dq = jnp.zeros(q.shape, acc)
 
   def body(j, dq, masked):
-    cols = pl.ds(j * block_k, block_k)
-    k = r["k"][cols, :]
-    v = r["v"][cols, :]
+    col0 = j * block_k
+    cols = pl.ds(col0, block_k)
+    cols_in = common.tail(col0, S, block_k) if masked else None
+    k = common.load(r["k"].at[cols, :], cols_in, head_in)
+    v = common.load(r["v"].at[cols, :], cols_in, head_in)
+    dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
+                          if name in r else None)
     _, ds, ds_logits = _tile_grads(
         q, k, v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
-        row0=i * block_q, col0=j * block_k, masked=masked, kv_len=kv_len, q_seg=q_seg,
-        kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
-        mask_tile=r["mask"][:, cols] if "mask" in r else None,
-        bias_tile=r["bias"][:, cols] if "bias" in r else None, seed=seed, batch=b, head=n,
+        row0=row0, col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg,
+        kv_seg=(common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
+                if "kv_seg" in r else None),
+        mask_tile=dense("mask"), bias_tile=dense("bias"), seed=seed, batch=b, head=n,
         num_heads=num_heads, fast_exp2=fast_exp2)
     if "dbias" in r:
-      r["dbias"][:, cols] = ds.astype(r["dbias"].dtype)
+      common.store(r["dbias"].at[:, cols], ds.astype(r["dbias"].dtype), rows_in, cols_in)
     return dq + common.dot(ds_logits.astype(k.dtype), k, acc=acc, precision=precision)
 
   if "dbias" in r:  # tiles never visited have a zero bias gradient
     def zero(j, _):
-      r["dbias"][:, pl.ds(j * block_k, block_k)] = jnp.zeros((block_q, block_k),
-                                                             r["dbias"].dtype)
+      col0 = j * block_k
+      common.store(r["dbias"].at[:, pl.ds(col0, block_k)],
+                   jnp.zeros((block_q, block_k), r["dbias"].dtype),
+                   rows_in, common.tail(col0, S, block_k))
       return _
     lax.fori_loop(0, lo, zero, 0)
     lax.fori_loop(hi, num_k_blocks, zero, 0)
   dq = visit_tiles(ranges, body, dq)
-  r["dq"][...] = (dq * scale).astype(r["dq"].dtype)
+  common.store(r["dq"], (dq * scale).astype(r["dq"].dtype), rows_in, head_in)
 
 
-def _group_inputs(ops: MaskOperands, *, G, Tp, Sp, bk):
-  """Mask operands for the dK/dV kernel: all query rows, the key block, a head group."""
-  x = padded_operands(ops, Tp, Sp)
+def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
+  """Mask operands for the dK/dV kernel: all query rows, the key block, `G` query heads."""
+  x = kernel_operands(ops)
   specs = {
       "q_seg": pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
       "kv_seg": pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
@@ -166,13 +205,53 @@ def _group_inputs(ops: MaskOperands, *, G, Tp, Sp, bk):
   return names, [x[n] for n in names], [specs[n] for n in names], head_blocked
 
 
+# Programs the dK/dV grid should have before a GQA group is split over several: about
+# three per multiprocessor of an H100/H200 (132), which at the kernel's two resident
+# programs per multiprocessor leaves room for causal programs of unequal length to even
+# out. Override with JFLASH_DKV_SPLITS (1 = never split).
+DKV_MIN_PROGRAMS = 3 * 132
+
+
+def dkv_splits(group: int, programs: int, interpret: bool) -> int:
+  """Parts each GQA group is split into over dK/dV programs (FlashAttention-2 sums
+  per-head dK/dV; here a part sums its heads in registers and the parts are added in
+  float32 afterwards): the fewest that reach DKV_MIN_PROGRAMS, dividing the group."""
+  forced = os.environ.get("JFLASH_DKV_SPLITS")
+  if forced:
+    return math.gcd(int(forced), group)
+  if interpret:
+    return 1
+  for p in range(1, group + 1):
+    if group % p == 0 and programs * p >= DKV_MIN_PROGRAMS:
+      return p
+  return group
+
+
+def backward_statistics(lse, out, dout, dlse=None):
+  """(lse2, delta) [B, N, T]: the log-sum-exp in base 2 and delta = rowsum(dO * O)
+  (minus the lse cotangent, if any), one fused XLA reduction each.
+
+  A row that masks emptied has lse = -inf; its lse2 is +inf so that P = exp2(s - lse2)
+  = 0 there. Only -inf is mapped: a NaN lse (a NaN that reached a visible logit) stays
+  NaN so that it reaches every gradient of that row.
+  """
+  acc = common.acc_dtype(out.dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc))
+  if dlse is not None:
+    delta = delta - dlse.astype(acc)
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc) * common.LOG2E)
+  return lse2, delta
+
+
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                    opts: MaskOptions | None = None, ops: MaskOperands | None = None,
                    block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-                   is_causal: bool | None = None):
+                   is_causal: bool | None = None, dkv_split: int | None = None):
   """Gradients of attention from the saved (q, k, v, out, lse) and the output cotangent.
 
-  Returns (dq, dk, dv), and dbias (shaped like `ops.bias`) when a bias is given.
+  Returns (dq, dk, dv), and dbias (shaped like `ops.bias`) when a bias is given. As in
+  the forward, no input is padded or copied: tails of T, S and H are masked loads.
+  `dkv_split` splits each GQA group over that many dK/dV programs (None: `dkv_splits`).
   """
   opts = opts or MaskOptions(is_causal=bool(is_causal))
   ops = ops or MaskOperands()
@@ -185,76 +264,75 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   precision = common.dot_precision(q.dtype)
   interp = common.use_interpret(interpret)
   fast_exp2 = common.fast_exp2_enabled(interp)
+  lse2, delta = backward_statistics(lse, out, dout, dlse)
+  sizes = dict(T=T, S=S, H=H, num_heads=N, acc=acc, precision=precision, fast_exp2=fast_exp2)
 
-  # -- preprocess: delta = rowsum(dO * O) (one fused XLA reduction), lse in base 2 with
-  # +inf where a row saw no key so that exp2(s - lse2) = 0 there.
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc))
-  if dlse is not None:
-    delta = delta - dlse.astype(acc)
-  lse2 = jnp.where(jnp.isfinite(lse), lse.astype(acc) * common.LOG2E, jnp.inf)
-
-  # -- dK, dV: grid over key blocks of each key head
+  # -- dK, dV: grid over key blocks of each key head (and, split, of parts of its group)
   bq = common.fit_block(blocks.block_q_dkv, T)
   bk = common.fit_block(blocks.block_k_dkv, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  pad_q = lambda x: common.pad_tiles(x, Tp, Hp)
-  pad_k = lambda x: common.pad_tiles(x, Sp, Hp)
+  P = dkv_splits(G, Sp // bk * B * K, interp) if dkv_split is None else dkv_split
+  if G % P:
+    raise ValueError(f"dkv_split={P} must divide the group size {G} (= {N} // {K})")
+  Gp = G // P   # query heads per program
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
-  x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=G, Tp=Tp, Sp=Sp, bk=bk)
+  x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=Gp, Tp=Tp, bk=bk)
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, "dk", "dv"]
+  if P == 1:
+    out_specs = [pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0))] * 2
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  else:
+    # Each part of a group writes its own float32 partial sums, added up below.
+    out_specs = [pl.BlockSpec((None, None, bk, None, Hp),
+                              lambda j, b, h: (h % P, b, j, h // P, 0))] * 2
+    out_shape = [jax.ShapeDtypeStruct((P, *k.shape), acc)] * 2
+  kv_head = lambda h: h // P
   dk, dv = pl.pallas_call(
       functools.partial(
           _dkv_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          group=G, num_heads=N, acc=acc, precision=precision, head_blocked=head_blocked,
-          fast_exp2=fast_exp2),
-      grid=(Sp // bk, B, K),
+          group=Gp, head_blocked=head_blocked, **sizes),
+      grid=(Sp // bk, B, K * P),
       in_specs=[
-          pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # q, the group
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),  # k
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),  # v
-          pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),   # dout
-          pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # lse2
-          pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),          # delta
-          pl.BlockSpec((None, None, 8), lambda j, b, h: (b, j, 0)),        # ranges
+          pl.BlockSpec((None, Tp, Gp, Hp), lambda j, b, h: (b, 0, h, 0)),           # q
+          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, kv_head(h), 0)),  # k
+          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, kv_head(h), 0)),  # v
+          pl.BlockSpec((None, Tp, Gp, Hp), lambda j, b, h: (b, 0, h, 0)),           # dout
+          pl.BlockSpec((None, Gp, Tp), lambda j, b, h: (b, h, 0)),                  # lse2
+          pl.BlockSpec((None, Gp, Tp), lambda j, b, h: (b, h, 0)),                  # delta
+          pl.BlockSpec((None, None, 8), lambda j, b, h: (b, j, 0)),                 # ranges
           *x_specs,
       ],
-      out_specs=[
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-          pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct((B, Sp, K, Hp), k.dtype),
-                 jax.ShapeDtypeStruct((B, Sp, K, Hp), v.dtype)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=common.triton_params(*launch_params(H, blocks, "dkv")),
       interpret=interp,
       name="jflash_bwd_dkv",
-  )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),
-    _pad_t(delta, Tp, 0), ranges, *x_arrays)
+  )(q, k, v, dout, lse2, delta, ranges, *x_arrays)
+  if P > 1:
+    dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
 
   # -- dQ (and dbias): grid over query blocks of each query head
   bq = common.fit_block(blocks.block_q_dq, T)
   bk = common.fit_block(blocks.block_k_dq, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  pad_q = lambda x: common.pad_tiles(x, Tp, Hp)
-  pad_k = lambda x: common.pad_tiles(x, Sp, Hp)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   qo = query_block_order(Tp // bq, opts)
   x_names, x_arrays, x_specs = mask_inputs(
-      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
+      ops, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
   out_names = ["dq"]
   out_specs = [pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0))]
-  out_shape = [jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if ops.bias is not None:
     # The bias is the caller's own [B|1, N|1, T, S] input; its gradient is written per
     # (batch, head) and summed over broadcast axes below.
     out_names.append("dbias")
     out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, qo(i), 0)))
-    out_shape.append(jax.ShapeDtypeStruct((B, N, Tp, Sp), acc))
+    out_shape.append(jax.ShapeDtypeStruct((B, N, T, S), acc))
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, *out_names]
   res = pl.pallas_call(
       functools.partial(
           _dq_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-          num_k_blocks=Sp // bk, num_heads=N, acc=acc, precision=precision, q_order=qo,
-          fast_exp2=fast_exp2),
+          num_k_blocks=Sp // bk, q_order=qo, **sizes),
       grid=(Tp // bq, B, N),
       in_specs=[
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),   # q
@@ -271,18 +349,12 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       compiler_params=common.triton_params(*launch_params(H, blocks, "dq")),
       interpret=interp,
       name="jflash_bwd_dq",
-  )(pad_q(q), pad_k(k), pad_k(v), pad_q(dout), _pad_t(lse2, Tp, jnp.inf),
-    _pad_t(delta, Tp, 0), ranges, *x_arrays)
-  grads = (res[0][:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H])
+  )(q, k, v, dout, lse2, delta, ranges, *x_arrays)
+  grads = (res[0], dk, dv)
   if ops.bias is None:
     return grads
-  dbias = res[1][:, :, :T, :S]
+  dbias = res[1]
   axes = tuple(a for a in (0, 1) if ops.bias.shape[a] == 1)
   if axes:
     dbias = dbias.sum(axis=axes, keepdims=True)
   return (*grads, dbias.astype(ops.bias.dtype))
-
-
-def _pad_t(x, size, fill):
-  """Pads the last (query) axis of a [B, N, T] statistic."""
-  return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[-1])), constant_values=fill)

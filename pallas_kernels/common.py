@@ -8,17 +8,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-try:  # jax >= 0.7 names it CompilerParams; older releases TritonCompilerParams
-  from jax.experimental.pallas.triton import CompilerParams as _TritonParams
-except ImportError:  # pragma: no cover - depends on the installed jax
-  from jax.experimental.pallas.triton import TritonCompilerParams as _TritonParams
+from jax.experimental.pallas import triton as plgpu
 
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)): exp2 is the native instruction
 LN2 = math.log(2.0)
 
 
 def triton_params(num_warps: int, num_stages: int):
-  return _TritonParams(num_warps=num_warps, num_stages=num_stages)
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def use_interpret(interpret: bool | None) -> bool:
@@ -48,7 +45,6 @@ def exp2(x, fast: bool):
   """2**x; `fast` (static) uses `ex2.approx.ftz.f32` for float32 (see fast_exp2_enabled)."""
   if not fast or x.dtype != jnp.float32:
     return jnp.exp2(x)
-  from jax.experimental.pallas import triton as plgpu  # only imported where it is used
   return plgpu.elementwise_inline_asm(
       "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
@@ -77,17 +73,50 @@ def fit_block(block: int, n: int) -> int:
   return min(block, max(16, 1 << (n - 1).bit_length()))
 
 
-def pad_to(x, axis: int, size: int):
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
+def in_bounds(shape, bounds):
+  """Which elements of a tile lie inside the array, or None when all of them do.
+
+  `bounds[a]` is None where axis `a` of the tile never overruns the array (a static
+  fact: lengths that are whole tiles, head dims that are powers of two), else
+  (index of the tile's first element along that axis, the array's length).
+  """
+  mask = None
+  for axis, bound in enumerate(bounds):
+    if bound is None:
+      continue
+    start, length = bound
+    m = start + lax.broadcasted_iota(jnp.int32, shape, axis) < length
+    mask = m if mask is None else mask & m
+  return mask
 
 
-def pad_tiles(x, seq: int, head_dim: int):
-  """[B, L, heads, H] zero-padded to [B, seq, heads, head_dim] (whole tiles)."""
-  return pad_to(pad_to(x, 3, head_dim), 1, seq)
+def load(ref, *bounds, other=0):
+  """ref[...] for a tile that may overrun its array; elements outside read as `other`.
+
+  Tiles are powers of two (Triton's rule) while arrays keep their own lengths and head
+  dims. Pallas' Triton lowering turns a block into raw addresses with the array's
+  strides and checks nothing, so an overrun row reads the next row (or past the
+  buffer) unless the load is masked; interpret mode pads blocks with NaN instead.
+  Either way, only masked loads give the zeros the kernels rely on.
+  """
+  mask = in_bounds(ref.shape, bounds)
+  if mask is None:
+    return ref[...]
+  return plgpu.load(ref, mask=mask, other=other)
+
+
+def store(ref, value, *bounds):
+  """ref[...] = value, writing only the elements inside the array (see `load`)."""
+  mask = in_bounds(ref.shape, bounds)
+  if mask is None:
+    ref[...] = value
+  else:
+    plgpu.store(ref, value, mask=mask)
+
+
+def tail(start, length: int, block: int):
+  """A `bounds` entry: None when `length` is whole blocks (the tile never overruns)."""
+  return None if length % block == 0 else (start, length)
 
 
 def round_up(n: int, m: int) -> int:

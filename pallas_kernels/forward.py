@@ -20,19 +20,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    padded_operands, tile_scores, times, visit_tiles)
+from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
+                                    kernel_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
-def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_heads, acc,
-                precision, q_order, fast_exp2):
+def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, H, num_heads,
+                acc, precision, q_order, fast_exp2):
   r = dict(zip(names, refs))
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
-  q = r["q"][...]                                           # [bq, Hp], stays resident
+  row0 = i * block_q
+  rows_in = common.tail(row0, T, block_q)          # the last query block may overrun T
+  head_in = common.tail(0, H, r["q"].shape[-1])    # head dims padded to a power of two
+  q = common.load(r["q"], rows_in, head_in)        # [bq, Hp], stays resident
   ranges = r["ranges"]
   q_len, kv_len = ranges[4], ranges[5]
-  q_seg = r["q_seg"][...] if "q_seg" in r else None
+  q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   m_i = jnp.full((block_q,), -jnp.inf, acc)
   l_i = jnp.zeros((block_q,), acc)
@@ -40,15 +43,20 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
 
   def body(j, carry, masked):
     o, m_i, l_i = carry
-    cols = pl.ds(j * block_k, block_k)
-    k = r["k"][cols, :]
-    v = r["v"][cols, :]
+    col0 = j * block_k
+    cols = pl.ds(col0, block_k)
+    # Only masked tiles can hold the key tail: a FULL tile ends inside S.
+    cols_in = common.tail(col0, S, block_k) if masked else None
+    k = common.load(r["k"].at[cols, :], cols_in, head_in)
+    v = common.load(r["v"].at[cols, :], cols_in, head_in)
+    dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
+                          if name in r else None)
     s, _, c = tile_scores(
-        q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=i * block_q,
-        col0=j * block_k, masked=masked, kv_len=kv_len, q_seg=q_seg,
-        kv_seg=r["kv_seg"][cols] if "kv_seg" in r else None,
-        mask_tile=r["mask"][:, cols] if "mask" in r else None,
-        bias_tile=r["bias"][:, cols] if "bias" in r else None)
+        q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
+        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg,
+        kv_seg=(common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
+                if "kv_seg" in r else None),
+        mask_tile=dense("mask"), bias_tile=dense("bias"))
     # -- update m_i and l_i (base 2: the logits are s * c, c > 0). A row with nothing
     # visible yet has m = -inf; use 0 in its place so exp2 never sees (-inf) - (-inf).
     m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))
@@ -57,21 +65,24 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, num_he
     p = common.exp2(times(s, c) - m_safe[:, None], fast_exp2)  # one FMA per element
     l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
     if seed is not None:                     # ...only kept ones reach the output
-      p = p * dropout_scale(seed, b, n, i * block_q, j * block_k, s.shape,
-                            opts.dropout_rate, num_heads)
+      p = p * dropout_scale(seed, b, n, row0, col0, s.shape, opts.dropout_rate, num_heads)
     o = alpha[:, None] * o + common.dot(p.astype(v.dtype), v, acc=acc, precision=precision)
     return o, m_new, l_i
 
   o, m_i, l_i = visit_tiles(ranges, body, (o, m_i, l_i))
 
   # -- normalise once at the end (FlashAttention-2, section 3.1.1). A row that saw no
-  # key, or lies past the query length, returns 0 and lse = -inf.
-  rows = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-  has = (l_i > 0) & (rows < q_len)
+  # key, or lies past the query length, returns 0 and lse = -inf. "Saw no key" is
+  # l == 0 exactly: every visible key adds exp2(s - m) with one term equal to 1, while a
+  # NaN logit makes l NaN, and NaN must reach out and lse. (Testing m instead would not
+  # do: Triton lowers max to maxnumf, which drops NaN, so m can stay -inf beside a NaN.)
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  has = (l_i != 0) & (rows < q_len)
   l_safe = jnp.where(has, l_i, 1.0)
-  r["out"][...] = jnp.where(has[:, None], o / l_safe[:, None], 0.0).astype(r["out"].dtype)
-  r["lse"][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2,
-                            -jnp.inf).astype(r["lse"].dtype)
+  common.store(r["out"], jnp.where(has[:, None], o / l_safe[:, None], 0.0).astype(r["out"].dtype),
+               rows_in, head_in)
+  common.store(r["lse"], jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2,
+                                   -jnp.inf).astype(r["lse"].dtype), rows_in)
 
 
 def query_block_order(num_q_blocks: int, opts: MaskOptions):
@@ -83,14 +94,10 @@ def query_block_order(num_q_blocks: int, opts: MaskOptions):
   return lambda i: i
 
 
-def mask_inputs(ops: MaskOperands, *, B, N, Tp, Sp, bq, q_index, head_block=None):
-  """(names, arrays, specs) of the optional per-tile mask operands.
-
-  `q_index(i, b, n)` maps a grid point to (batch, head, query block) for row-blocked
-  operands; with `head_block` (dK/dV kernel) the operands hold all rows and a group
-  of heads, and are sliced in the kernel.
-  """
-  x = padded_operands(ops, Tp, Sp)
+def mask_inputs(ops: MaskOperands, *, Sp, bq, q_index):
+  """(names, arrays, specs) of the optional per-tile mask operands of a kernel whose
+  grid runs over query blocks: `q_index(*grid point)` = (batch, head, query block)."""
+  x = kernel_operands(ops)
   specs = {
       "q_seg": pl.BlockSpec((None, bq), lambda *g: (q_index(*g)[0], q_index(*g)[2])),
       "kv_seg": pl.BlockSpec((None, Sp), lambda *g: (q_index(*g)[0], 0)),
@@ -111,7 +118,11 @@ def mask_inputs(ops: MaskOperands, *, B, N, Tp, Sp, bq, q_index, head_block=None
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
                   ops: MaskOperands | None = None, block_sizes: BlockSizes | None = None,
                   interpret: bool | None = None, is_causal: bool | None = None):
-  """q [B, T, N, H], k/v [B, S, K, H] -> out [B, T, N, H], lse [B, N, T] (natural log)."""
+  """q [B, T, N, H], k/v [B, S, K, H] -> out [B, T, N, H], lse [B, N, T] (natural log).
+
+  No input is copied: blocks are whole power-of-two tiles laid over the arrays as they
+  are, and the loads and stores of tiles that overrun T, S or H are masked.
+  """
   opts = opts or MaskOptions(is_causal=bool(is_causal))
   ops = ops or MaskOperands()
   B, T, N, H = q.shape
@@ -122,21 +133,18 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   bk = common.fit_block(blocks.block_k, S)
   Hp = padded_head_dim(H)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  # Zero padding: padded head columns add 0 to every dot product; padded keys are
-  # masked in the last tile; padded query rows are computed and dropped.
-  qp, kp, vp = common.pad_tiles(q, Tp, Hp), common.pad_tiles(k, Sp, Hp), common.pad_tiles(v, Sp, Hp)
   acc = common.acc_dtype(q.dtype)
   warps, stages = launch_params(H, blocks, "fwd")
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   qo = query_block_order(Tp // bq, opts)
   extra_names, extra_arrays, extra_specs = mask_inputs(
-      ops, B=B, N=N, Tp=Tp, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
+      ops, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
   names = ["q", "k", "v", "ranges", *extra_names, "out", "lse"]
   kernel = functools.partial(
-      _fwd_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk,
-      num_heads=N, acc=acc, precision=common.dot_precision(q.dtype), q_order=qo,
+      _fwd_kernel, names=names, opts=opts, scale=scale, block_q=bq, block_k=bk, T=T, S=S,
+      H=H, num_heads=N, acc=acc, precision=common.dot_precision(q.dtype), q_order=qo,
       fast_exp2=common.fast_exp2_enabled(common.use_interpret(interpret)))
-  out, lse = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid=(Tp // bq, B, N),
       in_specs=[
@@ -150,10 +158,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
           pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0)),
           pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, qo(i))),
       ],
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, N, Hp), q.dtype),
-                 jax.ShapeDtypeStruct((B, N, Tp), acc)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, N, H), q.dtype),
+                 jax.ShapeDtypeStruct((B, N, T), acc)],
       compiler_params=common.triton_params(warps, stages),
       interpret=common.use_interpret(interpret),
       name="jflash_fwd",
-  )(qp, kp, vp, ranges, *extra_arrays)
-  return out[:, :T, :, :H], lse[:, :, :T]
+  )(q, k, v, ranges, *extra_arrays)

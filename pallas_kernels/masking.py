@@ -42,22 +42,26 @@ class MaskOperands:
   dropout_seed: jax.Array | None = None     # [] uint32
 
 
-def padded_operands(ops: MaskOperands, Tp: int, Sp: int) -> dict:
-  """The optional per-call arrays as the kernels read them, padded to whole tiles:
-  segment ids padded with ids that match nothing, the dense mask as int8 (one byte per
-  element like bool, and loadable by Triton), the seed as a [1] uint32."""
+def kernel_operands(ops: MaskOperands) -> dict:
+  """The optional per-call arrays as the kernels read them, at their own lengths (the
+  kernels mask the loads of a tail tile): the dense mask as int8 (one byte per element
+  like bool, and loadable by Triton), the seed as a [1] uint32."""
   out = {}
   if ops.q_segment_ids is not None:
-    pad = lambda x, n, fill: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)
-    out["q_seg"] = pad(ops.q_segment_ids, Tp, -1)
-    out["kv_seg"] = pad(ops.kv_segment_ids, Sp, -2)
-  for name, x in (("mask", ops.mask), ("bias", ops.bias)):
-    if x is not None:
-      x = x.astype(jnp.int8) if name == "mask" else x
-      out[name] = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - x.shape[2]), (0, Sp - x.shape[3])))
+    out["q_seg"] = ops.q_segment_ids
+    out["kv_seg"] = ops.kv_segment_ids
+  if ops.mask is not None:
+    out["mask"] = ops.mask.astype(jnp.int8)
+  if ops.bias is not None:
+    out["bias"] = ops.bias
   if ops.dropout_seed is not None:
     out["seed"] = jnp.reshape(ops.dropout_seed, (1,)).astype(jnp.uint32)
   return out
+
+
+# Values a load past the end of an operand reads: segment ids that match nothing (the
+# query side and key side differ), a mask that hides, a bias of zero.
+FILL = {"q_seg": -1, "kv_seg": -2, "mask": 0, "bias": 0}
 
 
 # -- dropout: lowbias32 integer hash (C. Wellons), counter-based -----------------------

@@ -45,31 +45,42 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per padded head_dim, from the per-kernel block sweep on one H200
-# (experiments/results/bench_attention_block_sweep_h200_d64.json and _d128.json; notes
-# in experiments/results/tuning_notes.md). Each kernel's row is
-# (rows of Q, rows of K/V, num_warps, num_stages).
-# The dK/dV kernel prefers square 64 x 64 tiles with 4 warps: its tile holds P^T, dP^T
-# and dS^T at once, and wider key tiles spill at d=128 (32 x 128 ran at under half the
-# speed). The forward and dQ kernels keep one query tile resident and take 128 rows
-# with 8 warps at d=128. head_dim 16/32 follow 64 and 256 halves the tiles (neither
-# swept).
+# Defaults per head_dim (a head dim missing here takes the row of its padded tile width:
+# 80 and 96 run 128-wide tiles, 160 and 192 run 256-wide ones). Each kernel's row is
+# (rows of Q, rows of K/V, num_warps, num_stages). Notes for every row in
+# experiments/results/tuning_notes.md.
+# d = 64 and 128: the per-kernel block sweep on one H200
+# (experiments/results/bench_attention_block_sweep_h200_d64.json and _d128.json). The
+# dK/dV kernel prefers square 64 x 64 tiles with 4 warps: its tile holds P^T, dP^T and
+# dS^T at once, and wider key tiles spill at d=128 (32 x 128 ran at under half the
+# speed). The forward and dQ kernels keep one query tile resident and take 128 rows with
+# 8 warps at d=128. The d=128 row also won the sweep at d=96 (B=4, T=S=4096, 16 heads;
+# experiments/results/pallas_model_shapes_h200.json), so 80/96 keep it.
+# d = 256: the sweep in pallas_model_shapes_h200.json (B=4, T=S=4096, 8 heads, causal):
+# 128 x 64 / 8 warps forward (1.57x the 64 x 64 it replaces), dK/dV 64 x 32 / 4 warps
+# and dQ 128 x 32 / 8 warps (1.16x and 1.25x the 32 x 32 tiles). The same tiles took
+# d = 192 from 110 to 168 TF/s fwd+bwd. Why 32-row key tiles win at 256 was not profiled.
+# head_dim 16/32 follow 64 (not swept).
 _TABLE = {  # head_dim: {kernel: (block_q, block_k, num_warps, num_stages)}
     16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     64: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     128: dict(fwd=(128, 128, 8, 3), dkv=(64, 64, 4, 2), dq=(128, 64, 8, 3)),
-    256: dict(fwd=(64, 64, 8, 2), dkv=(32, 32, 4, 2), dq=(32, 32, 4, 2)),
+    256: dict(fwd=(128, 64, 8, 2), dkv=(64, 32, 4, 2), dq=(128, 32, 8, 2)),
 }
 KERNELS = ("fwd", "dkv", "dq")
 
 
 def padded_head_dim(head_dim: int) -> int:
-  """Head dim rounded up to a power of two >= 16 (what a Triton tile can hold)."""
+  """Head dim rounded up to a power of two >= 16: the width of a Triton tile (the arrays
+  keep their own head dim; the kernels mask the extra columns)."""
   return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def _row(head_dim: int):
+  """The table's row for this head dim, else for its padded tile width."""
+  if head_dim in _TABLE:
+    return _TABLE[head_dim]
   hp = padded_head_dim(head_dim)
   if hp not in _TABLE:
     raise NotImplementedError(f"head_dim={head_dim} (padded {hp}) > 256 has no tile table entry")

@@ -1,0 +1,142 @@
+"""Model shapes in the Pallas kernels: program size under GQA/MQA, no padded copies of
+odd lengths and head dims, and NaN propagation (interpret mode on the CPU)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.backward import flash_backward
+from pallas_kernels.forward import flash_forward
+from pallas_kernels.masking import MaskOperands
+
+
+def _count_eqns(jaxpr) -> int:
+  """Equations of a jaxpr, counting those of every nested jaxpr (loop bodies, conds)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):   # ClosedJaxpr
+          n += _count_eqns(sub.jaxpr)
+        elif hasattr(sub, "eqns"):                              # Jaxpr
+          n += _count_eqns(sub)
+  return n
+
+
+def _kernel_sizes(N, K, T=16384, H=128):
+  """{pallas_call name: equations of its kernel body} of the backward, traced only."""
+  q = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, T, K, H), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, N, T), jnp.float32)
+  bwd = lambda q, k, v, o, lse, do: flash_backward(q, k, v, o, lse, do, scale=0.1,
+                                                   is_causal=True, interpret=False)
+  jaxpr = jax.make_jaxpr(bwd)(q, k, k, q, lse, q).jaxpr
+  return {e.params["name"]: _count_eqns(e.params["jaxpr"])
+          for e in jaxpr.eqns if e.primitive.name == "pallas_call"}
+
+
+def test_dkv_kernel_size_does_not_grow_with_the_group():
+  # Compile time follows the size of the kernel Triton is given: the query heads of a
+  # group must be a loop of the program, not copies of its body.
+  mha, gqa, mqa = (_kernel_sizes(16, K)["jflash_bwd_dkv"] for K in (16, 4, 1))
+  assert gqa <= 1.5 * mha and mqa <= 1.5 * mha, (mha, gqa, mqa)
+
+
+def _pallas_operands(B=1, T=97, S=113, N=4, K=2, H=80):
+  fwd = lambda q, k, v: flash_forward(q, k, v, scale=H ** -0.5, is_causal=True,
+                                      interpret=True)
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+
+  def fwd_bwd(q, k, v):
+    out, lse = fwd(q, k, v)
+    return flash_backward(q, k, v, out, lse, out, scale=H ** -0.5, is_causal=True,
+                          interpret=True)
+  return jax.make_jaxpr(fwd_bwd)(q, kv, kv).jaxpr
+
+
+def test_odd_lengths_and_head_dims_are_not_padded_in_memory():
+  # T, S and H that are not whole tiles: the kernels read and write the caller's arrays
+  # as they are (masked tail tiles), so no padded copy of q, k, v, dO or the results
+  # exists outside the kernels.
+  jaxpr = _pallas_operands()
+  prims = {e.primitive.name for e in jaxpr.eqns}
+  assert "pad" not in prims and "slice" not in prims, sorted(prims)
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      shapes = {tuple(v.aval.shape) for v in (*e.invars, *e.outvars)}
+      assert not any(s[-1] == 128 for s in shapes if len(s) == 4), (e.params["name"], shapes)
+
+
+def _run(q, k, v, mask=None):
+  """(out, lse, dq, dk, dv) of the kernels, causal, with an all-ones output cotangent."""
+  H = q.shape[-1]
+  ops = MaskOperands(mask=mask)
+  out, lse = flash_forward(q, k, v, scale=H ** -0.5, is_causal=True, ops=ops, interpret=True)
+  grads = flash_backward(q, k, v, out, lse, jnp.ones_like(out), scale=H ** -0.5,
+                         is_causal=True, ops=ops, interpret=True)
+  return [np.asarray(x) for x in (out, lse, *grads)]
+
+
+def _qkv(T=40, N=1, H=16):
+  r = np.random.default_rng(0)
+  return [r.standard_normal((1, T, N, H)).astype(np.float32) for _ in range(3)]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_nan_in_a_visible_query_reaches_its_row_and_gradients(bad):
+  q, k, v = _qkv()
+  q[0, 3, 0, 0] = bad   # row 3 sees keys 0..3 (causal)
+  out, lse, dq, dk, dv = _run(q, k, v)
+  row_nan = lambda x: np.isnan(x).any(axis=-1)[0, :, 0]
+  assert row_nan(out).tolist() == [i == 3 for i in range(40)]   # not a zero row
+  assert np.isnan(lse[0, 0, 3]) and np.isfinite(np.delete(lse[0, 0], 3)).all()
+  assert row_nan(dq)[3] and not np.delete(row_nan(dq), 3).any()
+  # dV_j = sum_i P_ij dO_i: only keys row 3 sees (an infinite logit of -inf is a zero
+  # weight too); a hidden key keeps P = 0 although the row's lse is NaN.
+  assert row_nan(dv)[:4].any() and not row_nan(dv)[4:].any()
+  assert np.isnan(dk).any()
+
+
+def test_nan_in_a_visible_key_reaches_every_row_that_sees_it():
+  q, k, v = _qkv()
+  k[0, 5, 0, 0] = np.nan
+  out, lse, dq, dk, dv = _run(q, k, v)
+  assert np.isnan(out).any(axis=-1)[0, :, 0].tolist() == [i >= 5 for i in range(40)]
+  assert np.isfinite(lse[0, 0, :5]).all() and np.isnan(lse[0, 0, 5:]).all()
+  # (dQ of rows 0..4 is NaN too, as in any matmul dS K with a NaN row of K: 0 * NaN.)
+  assert np.isnan(dq[0, 5:]).any(axis=-1).all() and np.isnan(dk).any() and np.isnan(dv).any()
+
+
+def test_a_row_the_mask_empties_is_zero_even_with_nan_in_its_query():
+  q, k, v = _qkv()
+  q[0, 7, 0, :] = np.nan
+  mask = np.ones((1, 1, 40, 40), bool)
+  mask[0, 0, 7, :] = False          # row 7 sees nothing: a zero row, lse = -inf
+  out, lse, dq, dk, dv = _run(q, k, v, mask=jnp.asarray(mask))
+  assert (out[0, 7] == 0).all() and lse[0, 0, 7] == -np.inf
+  for x in (out, dq, dv):   # (dK = dS^T Q meets the NaN row of Q as 0 * NaN, as any matmul)
+    assert np.isfinite(x).all()
+  assert (dq[0, 7] == 0).all()
+
+
+def test_split_group_matches_the_reference_like_the_whole_group():
+  # A GQA group split over several dK/dV programs sums the same terms in another order
+  # (float32 partial sums added afterwards): the 2x rule against the float64 truth.
+  import jflash
+  r = np.random.default_rng(3)
+  B, T, S, N, K, H = 1, 97, 113, 4, 1, 80
+  q, do = (r.standard_normal((B, T, N, H)).astype(np.float32) for _ in range(2))
+  k, v = (r.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
+  ref = jflash.attention_numpy(q, k, v, is_causal=True, dout=do)[2:5]
+  out, lse = flash_forward(q, k, v, scale=H ** -0.5, is_causal=True, interpret=True)
+  grads = {p: flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, is_causal=True,
+                             interpret=True, dkv_split=p) for p in (1, 2, 4)}
+  eps = float(np.finfo(np.float32).eps)
+  for p in (2, 4):
+    for name, g, g1, t in zip(("dq", "dk", "dv"), grads[p], grads[1], ref):
+      err, err1 = (float(np.max(np.abs(np.asarray(x, np.float64) - t))) for x in (g, g1))
+      assert err <= 2 * err1 + 4 * eps * np.sqrt(H) * max(1.0, np.abs(t).max()), (p, name)
+  with pytest.raises(ValueError, match="dkv_split=3"):
+    flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, interpret=True, dkv_split=3)
