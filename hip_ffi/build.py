@@ -6,13 +6,15 @@
   python -m hip_ffi.build --target emulate # g++: the kernel on CPU fibers, for tests
 
 The library lands in hip_ffi/_build/<target>-<hash>/ (gitignored), where <hash> covers
-the sources, the compiler flags and the jaxlib version (the FFI headers). A build
+the sources, the compiler flags, the compiler's version and the jaxlib version (the
+FFI headers). A build
 with the same hash is reused; a changed source builds into a new folder.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -26,14 +28,14 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 BUILD_ROOT = HERE / "_build"
 SOURCES = {  # what each target compiles (compat.h pulls emulate_cpu.h in only for "emulate")
-    "rocm": ("compat.h", "flash_fwd.hip"),
-    "cuda": ("compat.h", "flash_fwd.hip"),
-    "emulate": ("compat.h", "flash_fwd.hip", "emulate_cpu.h", "emulate_cpu.cc"),
+    "rocm": ("compat.h", "flash_attn.hip"),
+    "cuda": ("compat.h", "flash_attn.hip"),
+    "emulate": ("compat.h", "flash_attn.hip", "emulate_cpu.h", "emulate_cpu.cc"),
 }
-MAIN_SOURCE = "flash_fwd.hip"
+MAIN_SOURCE = "flash_attn.hip"
 EMULATE_SOURCE = "emulate_cpu.cc"
 LIB_NAME = "libjflash_hip.so"
-ASM_NAME = "flash_fwd-gfx906.s"
+ASM_NAME = "flash_attn-gfx906.s"
 TARGETS = ("rocm", "cuda", "emulate")
 GFX_ARCH = "gfx906"
 CUDA_ARCH = "sm_90"
@@ -102,13 +104,30 @@ def _env(target: str) -> dict:
   return env
 
 
+@functools.cache
+def compiler_version(target: str) -> str:
+  """`<compiler> --version` output (empty without the compiler): part of the cache key,
+  so a library built by another hipcc/nvcc/g++ (another ROCm on the MI50) is rebuilt."""
+  cc = compiler(target)
+  if cc is None:
+    return ""
+  try:
+    proc = subprocess.run([cc, "--version"], env=_env(target), capture_output=True, text=True,
+                          timeout=60)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return f"{cc}: {e}"
+  return proc.stdout + proc.stderr
+
+
 def source_hash(target: str) -> str:
+  """Hash of the sources, the flags, the jaxlib version (FFI headers) and the compiler."""
   h = hashlib.sha256()
   for name in SOURCES[target]:
     h.update(name.encode())
     h.update((CSRC / name).read_bytes())
   h.update(" ".join(flags(target, "<inc>")).encode())
   h.update(_jaxlib_version().encode())
+  h.update(compiler_version(target).encode())
   return h.hexdigest()[:16]
 
 
@@ -173,6 +192,14 @@ def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   for d, t, bq, bk, nt in rows:
     table.setdefault(int(d), {})[int(t)] = (int(bq), int(bk), int(nt))
   return {d: tuple(v[i] for i in sorted(v)) for d, v in sorted(table.items())}
+
+
+def bwd_tile_table() -> dict[int, tuple[int, int, int]]:
+  """{head_dim: (BQ, BKV, threads)}, read from BwdTileTable in the source."""
+  text = (CSRC / MAIN_SOURCE).read_text()
+  rows = re.findall(r"BwdTileTable<(\d+)>\s*\{\s*static constexpr int "
+                    r"BQ = (\d+),\s*BKV = (\d+),\s*NT = (\d+);", text)
+  return {int(d): (int(bq), int(bk), int(nt)) for d, bq, bk, nt in sorted(rows)}
 
 
 # -- the gfx906 resource report ---------------------------------------------------------
