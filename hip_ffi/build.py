@@ -183,6 +183,30 @@ def build(target: str | None = None, *, force: bool = False, verbose: bool = Fal
   return lib
 
 
+LDS_PAD_HALVES = 8  # kPad in the kernel source: every LDS row is padded by 16 bytes
+
+
+def conflict_free_128bit(row_stride_bytes: int) -> bool:
+  """Whether 8 lanes reading 16 bytes each from 8 consecutive LDS rows hit 32 distinct
+  banks (one phase of a 128-bit LDS read on GCN: 32 banks of 4 bytes)."""
+  banks = [(r * row_stride_bytes // 4 + w) % 32 for r in range(8) for w in range(4)]
+  return row_stride_bytes % 16 == 0 and len(set(banks)) == 32
+
+
+def lds_row_strides() -> dict[str, int]:
+  """Every LDS row stride (bytes) the kernels read with 128-bit loads, by name."""
+  strides = {}
+  for d, rows in tile_table().items():
+    for t, (bq, bk, _) in enumerate(rows):
+      strides[f"fwd d={d} tile {t}: Q/K rows"] = 2 * (d + LDS_PAD_HALVES)
+      strides[f"fwd d={d} tile {t}: P/V^T rows"] = 2 * (bk + LDS_PAD_HALVES)
+  for d, (bq, bkv, _) in bwd_tile_table().items():
+    strides[f"bwd d={d}: Q/dO/K/V rows"] = 2 * (d + LDS_PAD_HALVES)
+    strides[f"bwd d={d}: Q^T/dO^T/P^T/dS^T rows"] = 2 * (bq + LDS_PAD_HALVES)
+    strides[f"bwd d={d}: K^T/dS rows"] = 2 * (bkv + LDS_PAD_HALVES)
+  return strides
+
+
 def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   """{head_dim: ((BQ, BK, threads) per `tile` index)}, read from FwdTileTable in the source."""
   text = (CSRC / MAIN_SOURCE).read_text()
@@ -216,6 +240,7 @@ class KernelReport:
   waves_per_simd_lds: int      # LDS alone: blocks per CU x waves per block / 4 SIMDs
   dot2: int                    # v_dot2_f32_f16 in the whole kernel
   dot2_in_loops: int           # ... inside loop bodies (the key-tile loop)
+  global_loads: dict = dataclasses.field(default_factory=dict)  # mnemonic -> count
 
 
 def _demangle(names: list[str]) -> list[str]:
@@ -238,7 +263,11 @@ def parse_gfx906_asm(text: str) -> list[KernelReport]:
     # A basic block starts at a label (".LBB0_3:" or "; %bb.3:"); LLVM marks loop
     # members on that line or on the comment-only lines right after it.
     in_loop, header, dot2, dot2_loop = False, False, 0, 0
+    loads: dict[str, int] = {}
     for line in body.splitlines():
+      op = re.match(r"^\s+((?:global|flat|buffer)_load_\w+)", line)
+      if op:
+        loads[op.group(1)] = loads.get(op.group(1), 0) + 1
       if re.match(r"^(\.LBB\d+_\d+:|; %bb\.\d+:)", line):
         in_loop, header = "Loop" in line, True
       elif header and re.match(r"^\s+;", line):
@@ -251,7 +280,8 @@ def parse_gfx906_asm(text: str) -> list[KernelReport]:
     lds = int(re.search(r"; LDSByteSize: (\d+)", tail).group(1))
     stats[name] = dict(vgprs=num("NumVgprs"), sgprs=num("NumSgprs"),
                        scratch_bytes=num("ScratchSize"), lds_bytes=lds,
-                       waves_per_simd=num("Occupancy"), dot2=dot2, dot2_in_loops=dot2_loop)
+                       waves_per_simd=num("Occupancy"), dot2=dot2, dot2_in_loops=dot2_loop,
+                       global_loads=loads)
   # The amdhsa metadata block lists each kernel's .name and .max_flat_workgroup_size.
   for m in re.finditer(r"\.max_flat_workgroup_size:\s*(\d+).*?\.name:\s*(\S+)", text, re.S):
     if m.group(2) in stats:
