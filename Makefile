@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test hip report bench clean
+.PHONY: setup demo test hip report mi50 bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,12 @@ hip: setup
 
 report: setup
 	$(PY) -m hip_ffi.build --report
+
+# On an MI50 with ROCm and a ROCm JAX (hip_ffi/README.md): build against this machine's
+# ROCm, audit, check against float64, time (10 warm-up, 50 measured, median and p95).
+mi50: setup
+	$(PY) -m hip_ffi.build --target rocm --report
+	$(PY) experiments/hip_check.py --target rocm
 
 clean:
 	rm -rf $(VENV) hip_ffi/_build .pytest_cache

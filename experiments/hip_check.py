@@ -1,27 +1,30 @@
-"""Builds the jflash HIP kernel for the local GPU, checks it against float64, measures it.
+"""Builds the jflash HIP kernels for the local GPU, checks them against float64, times them.
 
-  python experiments/hip_check.py               # H200: nvcc sm_90 build, correctness grid,
-                                                #   bandwidth -> results/hip_cuda_h200.json
-  python experiments/hip_check.py --bandwidth   # MI50 owners: hipcc gfx906 build, effective
-                                                #   bandwidth and TF/s only (one command)
+  python experiments/hip_check.py               # correctness (forward and gradients),
+                                                #   then timing -> results/hip_<target>_<device>.json
+  python experiments/hip_check.py --timing      # timing only (MI50 owners: `make mi50`)
+  python experiments/hip_check.py --quick       # a smaller grid, smaller timing shapes
 
 The kernel source is one file for hipcc (gfx906, the product) and nvcc (sm_90, how its
-logic is run on NVIDIA hardware). The correctness rule is the tests' rule: max error
-against `jflash.attention_numpy` (float64) at most 2x the error of the plain fp16
-`jflash.attention_xla` against the same truth, plus a floor of one fp16 ulp of the
-largest output (lse: a few float32 roundings of a length-H dot product).
+logic is run on NVIDIA hardware). Correctness goes through `jflash.attention(...,
+implementation="hip")` and `jax.vjp`: the forward kernel, then the delta, dQ and dK/dV
+kernels. The rule is the tests' rule: the max error of out, lse, dq, dk, dv against
+`jflash.attention_numpy` (float64) is at most 2x the error of the plain same-dtype
+`implementation="xla"` against the same truth, plus a floor of two roundings to the
+dtype and a few float32 roundings of a length-H dot product (times the largest value).
 
-Effective bandwidth counts the bytes of Q, K, V and O once over the median wall time
-of the jitted forward (the custom call alone; launch overhead included). TF/s counts
-4*H flops per visible (query, key) pair. The process exits non-zero on a compile
-error (printing the compiler's output), on a missing device, or on any failed case.
+Timing (the seed's method): 10 warm-up calls, 50 measured, median and p95 of the wall
+time of the jitted call (forward; forward + backward), completion awaited. TF/s counts
+4*H flops per visible (query, key) pair for the forward and 10*H for the backward
+(five matmuls: S, dP, dV, dK, dQ; S is recomputed). The process exits non-zero on a
+compile error (printing the compiler's output), a missing device, or a failed case.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import re
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -33,206 +36,204 @@ import numpy as np
 
 import hip_ffi
 import jflash
-from experiments.common import is_oom, time_fn, write_result
+from experiments.common import attention_flops, block, device_tag, is_oom, write_result
 from hip_ffi import build
 
-SIDES = (1, 97, 113, 203, 257)  # T and S: awkward lengths, every pair (T != S both ways)
-LONG = 16384                    # long rows
-# (B, T, N, K, H) for the speed table: MHA and GQA, both head dims, up to 16K.
+# (B, T, S, N, K, H) of the correctness grid: awkward lengths, T != S both ways, GQA/MQA.
+SHAPES = [
+    (2, 97, 97, 4, 2, 64),
+    (1, 113, 203, 4, 2, 64),
+    (1, 203, 113, 4, 1, 128),
+    (1, 257, 257, 2, 1, 128),
+    (1, 1, 257, 2, 2, 64),
+    (1, 257, 1, 2, 2, 128),
+]
+MASKS = {  # B = 2, T = S = 300
+    "lengths": dict(query_seq_lengths=np.array([250, 7], np.int32),
+                    key_value_seq_lengths=np.array([300, 130], np.int32)),
+    "causal_window": dict(is_causal=True, local_window_size=(100, 0)),
+    "window": dict(local_window_size=(40, 70)),
+    "segments": dict(segment_ids=np.array([[0] * 90 + [1] * 150 + [2] * 60, [4] * 300], np.int32)),
+    "causal_len_seg": dict(is_causal=True, key_value_seq_lengths=np.array([200, 300], np.int32),
+                           segment_ids=np.array([[0] * 130 + [1] * 170, [3] * 300], np.int32)),
+}
+# (B, T, N, K, H) for the timing table: MHA and GQA, both head dims.
 BENCH = [
     (4, 4096, 16, 16, 64),
     (4, 4096, 16, 16, 128),
     (8, 2048, 32, 8, 128),
     (1, 16384, 16, 16, 64),
-    (1, 16384, 16, 16, 128),
 ]
 
 
 def parse_args():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--bandwidth", action="store_true",
-                  help="skip the correctness grid: build, then bandwidth and TF/s only")
+  ap.add_argument("--timing", "--bandwidth", dest="timing", action="store_true",
+                  help="skip the correctness grid: build, then timing only")
+  ap.add_argument("--no-timing", action="store_true", help="correctness only")
+  ap.add_argument("--timing-quick", action="store_true", help="time the first shape only")
   ap.add_argument("--target", choices=("auto", "cuda", "rocm"), default="auto",
                   help="compiler: auto follows the GPU jax sees (cuda: nvcc, rocm: hipcc)")
-  ap.add_argument("--warmup", type=int, default=3, help="untimed calls (compile, caches)")
-  ap.add_argument("--iters", type=int, default=20, help="timed calls; the median is kept")
-  ap.add_argument("--quick", action="store_true",
-                  help="smaller grid and no 16K cases (a smoke run, minutes less)")
-  ap.add_argument("--out", default=None,
-                  help="result name under experiments/results/ (default: "
-                  "hip_<target>_<device> or hip_bandwidth_<target>_<device>)")
+  ap.add_argument("--warmup", type=int, default=10, help="untimed calls (compile, caches)")
+  ap.add_argument("--iters", type=int, default=50, help="timed calls: median and p95")
+  ap.add_argument("--quick", action="store_true", help="smaller grid and timing shapes")
+  ap.add_argument("--emulate", action="store_true",
+                  help="no GPU: the correctness grid on the CPU emulation of the kernels "
+                  "(a dry run of this script; no handler or timing rows)")
+  ap.add_argument("--out", default=None, help="result name under experiments/results/ "
+                  "(default: hip_<target>_<device> or hip_timing_<target>_<device>)")
   return ap.parse_args()
-
-
-def device_slug() -> str:
-  kind = jax.devices()[0].device_kind.lower()
-  kind = re.sub(r"\b(nvidia|amd|radeon|instinct)\b", "", kind)
-  return re.sub(r"[^a-z0-9]+", "_", kind).strip("_") or "gpu"
 
 
 # -- correctness -------------------------------------------------------------------------
 
-def reference_f64(q, k, v, scale, is_causal, rows=1024):
-  """float64 truth in query-row blocks with their absolute offsets (top-left causal),
-  for T x S too large for `jflash.attention_numpy` in one piece."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  G = N // K
-  out = np.zeros((B, T, N, H))
-  lse = np.full((B, N, T), -np.inf)
-  for b in range(B):
-    for n in range(N):
-      kh, vh = k[b, :, n // G], v[b, :, n // G]
-      for i0 in range(0, T, rows):
-        s = q[b, i0:i0 + rows, n] @ kh.T * scale
-        if is_causal:
-          s = np.where(np.arange(i0, i0 + len(s))[:, None] >= np.arange(S)[None], s, -np.inf)
-        m = s.max(1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0)
-        p = np.exp(s - m)
-        l = p.sum(1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-          out[b, i0:i0 + rows, n] = np.where(l > 0, (p @ vh) / l, 0)
-          lse[b, n, i0:i0 + rows] = np.where(l[:, 0] > 0, m[:, 0] + np.log(l[:, 0]), -np.inf)
-  return out, lse
+def fwd_bwd(impl, kw):
+  def run(q, k, v, do):
+    f = lambda q, k, v: jflash.attention(q, k, v, implementation=impl, return_residuals=True,
+                                         **kw)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+  return jax.jit(run)
 
 
-_hip = jax.jit(
-    lambda q, k, v, scale, is_causal, bq, bk: jflash.attention(
-        q, k, v, scale=scale, is_causal=is_causal, implementation="hip",
-        block_sizes=jflash.BlockSizes(bq, bk), return_residuals=True),
-    static_argnums=(3, 4, 5, 6))
-_plain = jax.jit(jflash.attention_xla, static_argnames=("scale", "is_causal"))
+def floor(dtype, ref, H):
+  eps, eps32 = float(jnp.finfo(dtype).eps), float(np.finfo(np.float32).eps)
+  return (2 * eps + 4 * eps32 * math.sqrt(H)) * max(1.0, float(np.abs(ref).max()))
 
 
-def check_case(name, q, k, v, scale, is_causal, tile=0):
-  H = q.shape[-1]
-  bq, bk, _ = hip_ffi.tile_table()[H][tile]
-  row = {"case": name, "shape_q": list(q.shape), "shape_kv": list(k.shape),
-         "is_causal": is_causal, "scale": float(scale), "tile": tile, "block_q": bq,
-         "block_k": bk}
+def rand(shape, dtype, seed, scale=1.0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, dtype)
+
+
+def check_case(name, shape, dtype, seed, config=None, **kw):
+  B, T, S, N, K, H = shape
+  q, do = rand((B, T, N, H), dtype, seed), rand((B, T, N, H), dtype, seed + 1)
+  k, v = rand((B, S, K, H), dtype, seed + 2), rand((B, S, K, H), dtype, seed + 3)
+  row = {"case": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
+         "options": {k_: (v_.tolist() if hasattr(v_, "tolist") else v_) for k_, v_ in kw.items()}}
   try:
-    qd, kd, vd = (jnp.asarray(x) for x in (q, k, v))
-    out, lse = jax.block_until_ready(_hip(qd, kd, vd, float(scale), is_causal, bq, bk))
-    xo, xl = jax.block_until_ready(_plain(qd, kd, vd, scale=float(scale), is_causal=is_causal))
-    big = q.shape[1] * k.shape[1] > 2**24
-    ref_o, ref_l = (reference_f64(q, k, v, scale, is_causal) if big else
-                    jflash.attention_numpy(q, k, v, scale=scale, is_causal=is_causal))
-    err = lambda x, ref: float(np.abs(np.asarray(x, np.float64) - ref).max())
-    eps32 = float(np.finfo(np.float32).eps)
-    o_floor = 2.0**-10 * max(1.0, float(np.abs(ref_o).max()))
-    l_floor = 4 * eps32 * math.sqrt(H) * max(1.0, float(np.abs(ref_l).max()))
-    row.update(
-        err_out=err(out, ref_o), err_out_plain=err(xo, ref_o), floor_out=o_floor,
-        err_lse=err(lse, ref_l), err_lse_plain=err(xl, ref_l), floor_lse=l_floor,
-        finite=bool(np.isfinite(np.asarray(out, np.float32)).all()
-                    and np.isfinite(np.asarray(lse)).all()))
-    row["ok"] = bool(row["finite"]
-                     and row["err_out"] <= 2 * row["err_out_plain"] + o_floor
-                     and row["err_lse"] <= 2 * row["err_lse_plain"] + l_floor)
+    got = [np.asarray(x, np.float64) for x in block(
+        fwd_bwd("hip", dict(kw, config=config))(q, k, v, do))]
+    plain = [np.asarray(x, np.float64) for x in block(fwd_bwd("xla", kw)(q, k, v, do))]
+    ref = jflash.attention_numpy(q, k, v, dout=do, **kw)
+    ok = True
+    for what, g, p, r in zip(("out", "lse", "dq", "dk", "dv"), got, plain, ref):
+      if what == "lse":
+        hidden = np.isneginf(r)
+        ok &= bool(np.array_equal(np.isneginf(g), hidden))
+        g, p, r = g[~hidden], p[~hidden], r[~hidden]
+      e, ep = float(np.abs(g - r).max(initial=0)), float(np.abs(p - r).max(initial=0))
+      fl = floor(jnp.float32 if what == "lse" else dtype, r, H)
+      row[f"err_{what}"], row[f"err_{what}_plain"] = e, ep
+      ok &= bool(np.isfinite(g).all() and e <= 2 * ep + fl)
+    row["ok"] = ok
   except Exception as e:  # recorded, the run goes on; the exit code reports it
     row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
     traceback.print_exc()
-  status = "ok  " if row["ok"] else "FAIL"
-  print(f"{status} {name:<14} q{tuple(q.shape)} kv{tuple(k.shape)} causal={is_causal:d} "
-        f"tile={tile} out {row.get('err_out', float('nan')):.2e} "
-        f"(plain {row.get('err_out_plain', float('nan')):.2e}) "
-        f"lse {row.get('err_lse', float('nan')):.2e} "
-        f"(plain {row.get('err_lse_plain', float('nan')):.2e})", flush=True)
+  ratios = [row[f"err_{w}"] / max(row[f"err_{w}_plain"], 1e-30)
+            for w in ("out", "dq", "dk", "dv") if f"err_{w}" in row]
+  row["max_ratio_over_plain"] = max(ratios, default=None)
+  flags = "c" if kw.get("is_causal") else " "
+  print(f"{'ok  ' if row['ok'] else 'FAIL'} {name:<19} {flags} {row['dtype']:<8} {tuple(shape)} "
+        + " ".join(f"{w}={row.get('err_' + w, float('nan')):.1e}"
+                   f"({row.get('err_' + w + '_plain', float('nan')):.1e})"
+                   for w in ("out", "dq", "dk", "dv")), flush=True)
   return row
-
-
-def rand(shape, seed):
-  return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
 
 
 def correctness_rows(quick: bool):
   rows, seed = [], 0
-  sides = (1, 113, 257) if quick else SIDES
-  for H, (N, K) in ((64, (4, 2)), (128, (4, 1))):  # GQA for d=64, MQA for d=128
-    for T in sides:
-      for S in sides:
-        for is_causal in (False, True):
-          seed += 1
-          q, k, v = rand((2, T, N, H), seed), rand((2, S, K, H), seed + 1), rand((2, S, K, H), seed + 2)
-          rows.append(check_case("grid", q, k, v, 1 / math.sqrt(H), is_causal))
-          if (T, S) in ((203, 113), (113, 203), (257, 257), (113, 257)):
-            rows.append(check_case("grid", q, k, v, 1 / math.sqrt(H), is_causal, tile=1))
-    for is_causal in (False, True):
-      x = np.full((1, 203, 2, H), 0.5, np.float16)  # all-equal: out = v, lse = s + log(n)
-      rows.append(check_case("all_equal", x, x[:, :, :1], x[:, :, :1], 1 / math.sqrt(H), is_causal))
-      q, k, v = rand((1, 203, 4, H), 7), rand((1, 257, 2, H), 8), rand((1, 257, 2, H), 9)
-      s = np.einsum("btnh,bskh->bnkts", q.astype(np.float64), k.astype(np.float64))
-      rows.append(check_case("logits_1e4", q, k, v, 1e4 / np.abs(s).max(), is_causal))
+  for dtype in (jnp.float16, jnp.bfloat16):
+    for shape in SHAPES[: 3 if quick else None]:
+      for is_causal in (False, True):
+        seed += 4
+        rows.append(check_case("grid", shape, dtype, seed, is_causal=is_causal))
+    for H in (64, 128):
+      for mask, kw in MASKS.items():
+        seed += 4
+        rows.append(check_case(f"mask_{mask}", (2, 300, 300, 4, 2 if H == 64 else 1, H),
+                               dtype, seed, **kw))
+  for H in (64, 128):
+    bq, bk, _ = hip_ffi.tile_table()[H][1]
+    rows.append(check_case("tile1", (1, 203, 113, 4, 2, H), jnp.float16, 90 + H, is_causal=True,
+                           config=jflash.HipConfig(bq, bk)))
     if not quick:
-      q, k, v = rand((1, 64, 2, H), 10), rand((1, LONG, 1, H), 11), rand((1, LONG, 1, H), 12)
-      rows.append(check_case("long_rows", q, k, v, 1 / math.sqrt(H), False))
-      q, k, v = rand((1, LONG, 1, H), 13), rand((1, LONG, 1, H), 14), rand((1, LONG, 1, H), 15)
-      rows.append(check_case("long_causal", q, k, v, 1 / math.sqrt(H), True))
-  rows.extend(gradient_rows())
-  rows.extend(handler_error_rows())
+      rows.append(check_case("long_rows", (1, 64, 8192, 2, 1, H), jnp.float16, 95 + H))
+      rows.append(check_case("long_causal", (1, 2048, 2048, 2, 1, H), jnp.bfloat16, 97 + H,
+                             is_causal=True))
+  rows.append(nan_row())
+  rows.append(vmap_row())
+  if not hip_ffi.emulating():
+    rows.extend(handler_error_rows())
   return rows
+
+
+def nan_row():
+  """A NaN in query row 3 reaches out row 3 and its gradients; the other rows stay finite."""
+  q = np.array(rand((1, 200, 2, 64), jnp.float16, 7))
+  k, v, do = (rand((1, 200, 2, 64), jnp.float16, s) for s in (8, 9, 10))
+  q[0, 3, 0, 0] = np.nan
+  out, lse, dq, dk, dv = (np.asarray(x, np.float32) for x in block(
+      fwd_bwd("hip", dict(is_causal=True))(jnp.asarray(q), k, v, do)))
+  rest = np.ones(200, bool)
+  rest[3] = False
+  ok = bool(np.isnan(out[0, 3, 0]).all() and np.isfinite(out[0, rest]).all()
+            and np.isfinite(out[0, :, 1]).all() and np.isnan(dq[0, 3, 0]).all()
+            and np.isfinite(dq[0, rest]).all() and np.isnan(dk[0, :4, 0]).all())
+  print(f"{'ok  ' if ok else 'FAIL'} nan_propagation", flush=True)
+  return {"case": "nan_propagation", "ok": ok}
+
+
+def vmap_row():
+  """jax.vmap over implementation="hip" (one launch with a leading batch dim) equals the
+  unmapped call, forward and dq."""
+  q, k, v = (rand((3, 100, 2, 64), jnp.float16, s) for s in (11, 12, 13))
+  f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation="hip")
+  loss = lambda f_: lambda q: jnp.sum(f_(q).astype(jnp.float32) ** 2)
+  mapped = jax.jit(jax.vmap(f))(q[:, None], k[:, None], v[:, None])[:, 0]
+  dq_m = jax.jit(jax.grad(loss(lambda q: jax.vmap(f)(q, k[:, None], v[:, None]))))(q[:, None])
+  ok = bool(np.array_equal(np.asarray(mapped), np.asarray(jax.jit(f)(q, k, v))) and
+            np.array_equal(np.asarray(dq_m[:, 0]),
+                           np.asarray(jax.jit(jax.grad(loss(lambda q: f(q, k, v))))(q))))
+  print(f"{'ok  ' if ok else 'FAIL'} vmap", flush=True)
+  return {"case": "vmap", "ok": ok}
 
 
 def handler_error_rows():
-  """The C++ handler answers a bad call with an ffi::Error (Python checks bypassed)."""
+  """The C++ handlers answer a bad call with an ffi::Error (Python checks bypassed)."""
   rows = []
   q = jnp.zeros((1, 8, 2, 64), jnp.float16)
-  good_out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  r, seg = jnp.zeros((1, 1, 8), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+  attrs = dict(scale=np.float32(0.125), is_causal=np.bool_(False), window_left=np.int32(-1),
+               window_right=np.int32(-1), has_segments=np.bool_(False))
+  out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  lse = lambda t, dt=jnp.float32: jax.ShapeDtypeStruct((1, 2, t), dt)
+  fwd = hip_ffi.TARGETS["forward"][0]
   bad = {
-      "lse_shape": ((good_out, jax.ShapeDtypeStruct((1, 2, 9), jnp.float32)), 0, "lse"),
-      "lse_dtype": ((good_out, jax.ShapeDtypeStruct((1, 2, 8), jnp.float16)), 0, "lse"),
-      "tile": ((good_out, jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)), 9, "tile"),
+      "lse_shape": (fwd, (out, lse(9)), (q, q, q, r, seg, seg), {"tile": np.int32(0)}, "lse"),
+      "lse_dtype": (fwd, (out, lse(8, jnp.float16)), (q, q, q, r, seg, seg),
+                    {"tile": np.int32(0)}, ""),
+      "tile": (fwd, (out, lse(8)), (q, q, q, r, seg, seg), {"tile": np.int32(9)}, "tile"),
+      "dq_ranges": (hip_ffi.TARGETS["dq"][0], jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                    (q, q, q, q, jnp.zeros((1, 2, 8)), jnp.zeros((1, 2, 8)),
+                     jnp.zeros((1, 5, 8), jnp.int32), seg, seg), {}, "ranges"),
   }
-  for name, (results, tile, word) in bad.items():
+  for name, (target, results, args, extra, word) in bad.items():
     row = {"case": f"handler_error_{name}"}
     try:
-      jax.block_until_ready(jax.ffi.ffi_call(hip_ffi.TARGET_NAME, results)(
-          q, q, q, scale=np.float32(0.125), is_causal=np.bool_(False), tile=np.int32(tile)))
+      block(jax.ffi.ffi_call(target, results)(*args, **attrs, **extra))
       row.update(ok=False, error="no error raised")
-    except Exception as e:  # expected: the handler's message, surfaced by XLA
+    except Exception as e:  # expected: the handler's (or XLA's dtype) message
       msg = str(e)
-      row.update(ok="jflash_flash_fwd" in msg and word in msg, message=msg[:500])
+      row.update(ok=word in msg, message=msg[:500])
     print(f"{'ok  ' if row['ok'] else 'FAIL'} {row['case']}: "
-          f"{row.get('message', row.get('error', ''))[:120]}", flush=True)
+          f"{row.get('message', row.get('error', ''))[:100]}", flush=True)
     rows.append(row)
   return rows
 
 
-def gradient_rows():
-  """The custom_vjp around the kernel: hip forward + xla_chunked recompute backward."""
-  rows = []
-  for H, is_causal in ((64, True), (128, False)):
-    q, k, v, do = (rand(s, 20 + i) for i, s in enumerate(
-        ((1, 203, 4, H), (1, 113, 2, H), (1, 113, 2, H), (1, 203, 4, H))))
-    row = {"case": "gradients", "shape_q": list(q.shape), "shape_kv": list(k.shape),
-           "is_causal": is_causal}
-    try:
-      def grads(impl):
-        f = lambda q, k, v: jflash.attention(q, k, v, is_causal=is_causal, implementation=impl)
-        _, vjp = jax.vjp(f, *(jnp.asarray(x) for x in (q, k, v)))
-        return [np.asarray(g, np.float64) for g in vjp(jnp.asarray(do))]
-      ref = jflash.attention_numpy(q, k, v, is_causal=is_causal, dout=do)[2:]
-      got, plain = grads("hip"), grads("xla")
-      ok = True
-      for name, g, p, r in zip(("dq", "dk", "dv"), got, plain, ref):
-        e, ep = float(np.abs(g - r).max()), float(np.abs(p - r).max())
-        fl = 4 * 2.0**-10 * math.sqrt(H) * max(1.0, float(np.abs(r).max()))  # tests' fp16 floor
-        row[f"err_{name}"], row[f"err_{name}_plain"] = e, ep
-        ok &= bool(np.isfinite(g).all() and e <= 2 * ep + fl)
-      row["ok"] = ok
-    except Exception as e:
-      row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-      traceback.print_exc()
-    print(f"{'ok  ' if row['ok'] else 'FAIL'} gradients      H={H} causal={is_causal:d} "
-          + " ".join(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("err_")), flush=True)
-    rows.append(row)
-  return rows
-
-
-# -- speed ---------------------------------------------------------------------------------
+# -- timing --------------------------------------------------------------------------------
 
 def visible_pairs(T, S, is_causal):
   if not is_causal:
@@ -241,52 +242,55 @@ def visible_pairs(T, S, is_causal):
   return n * (n + 1) // 2 + max(0, T - S) * S
 
 
-def bandwidth_rows(args):
+def time_stats(fn, args, warmup, iters):
+  for _ in range(warmup):
+    block(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    block(fn(*args))
+    times.append(time.perf_counter() - t0)
+  times.sort()
+  return {"median_s": statistics.median(times),
+          "p95_s": times[min(len(times) - 1, math.ceil(0.95 * len(times)) - 1)]}
+
+
+def timing_rows(args):
   rows = []
-  fwd = jax.jit(hip_ffi.flash_forward, static_argnames=("scale", "is_causal", "tile"))
-  for B, T, N, K, H in BENCH:
-    if args.quick and T > 4096:
-      continue
+  for B, T, N, K, H in BENCH[:1] if args.timing_quick else BENCH[:2] if args.quick else BENCH:
     for is_causal in (False, True):
-      r = np.random.default_rng(0)
-      q = jnp.asarray(r.standard_normal((B, T, N, H)), jnp.float16)
-      k = jnp.asarray(r.standard_normal((B, T, K, H)), jnp.float16)
-      v = jnp.asarray(r.standard_normal((B, T, K, H)), jnp.float16)
-      row = {"B": B, "T": T, "S": T, "N": N, "K": K, "H": H, "is_causal": is_causal}
-      bytes_qkvo = 2 * (2 * q.size + k.size + v.size)
-      flops = 4 * B * N * H * visible_pairs(T, T, is_causal)
-      for tile in range(len(hip_ffi.tile_table()[H])):
-        try:
-          t = time_fn(lambda q, k, v: fwd(q, k, v, scale=1 / math.sqrt(H), is_causal=is_causal,
-                                          tile=tile), q, k, v, warmup=args.warmup,
-                      iters=args.iters)["median_s"]
-          row[f"tile{tile}_s"] = t
-          row[f"tile{tile}_GBps"] = bytes_qkvo / t / 1e9
-          row[f"tile{tile}_TFps"] = flops / t / 1e12
-        except Exception as e:
-          row[f"tile{tile}_error"] = f"{type(e).__name__}: {e}"[:500]
-      try:  # the materialising fp16 baseline, for context; may not fit at 16K
-        plain = jax.jit(lambda q, k, v: jflash.attention_xla(
-            q, k, v, scale=1 / math.sqrt(H), is_causal=is_causal))
-        t = time_fn(plain, q, k, v, warmup=args.warmup, iters=args.iters)["median_s"]
-        row["xla_s"], row["xla_TFps"] = t, flops / t / 1e12
-      except Exception as e:
-        row["xla_error"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {e}"[:500]
-      row.update(bytes_qkvo=bytes_qkvo, flops=flops)
-      timed = [(row[f"tile{i}_s"], i) for i in range(2) if f"tile{i}_s" in row]
-      if timed:
-        best = min(timed)
-        row["best_tile"] = best[1]
-        print(f"B={B} T={T} N={N} K={K} H={H} causal={is_causal:d}: tile{best[1]} "
-              f"{best[0] * 1e3:.3f} ms, {bytes_qkvo / best[0] / 1e9:.1f} GB/s effective, "
-              f"{flops / best[0] / 1e12:.2f} TF/s" +
-              (f" (xla {row['xla_TFps']:.2f} TF/s)" if "xla_TFps" in row else ""), flush=True)
+      q, do = rand((B, T, N, H), jnp.float16, 0), rand((B, T, N, H), jnp.float16, 1)
+      k, v = rand((B, T, K, H), jnp.float16, 2), rand((B, T, K, H), jnp.float16, 3)
+      pairs = B * N * visible_pairs(T, T, is_causal)
+      row = {"B": B, "T": T, "N": N, "K": K, "H": H, "is_causal": is_causal}
+      for impl in ("hip", "xla"):
+        f = lambda q, k, v: jflash.attention(q, k, v, is_causal=is_causal, implementation=impl)
+        fb = lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
+        for what, fn, a, flops in (("fwd", f, (q, k, v), attention_flops(1, 1, H, pairs)),
+                                   ("fwd_bwd", fb, (q, k, v, do),
+                                    attention_flops(1, 1, H, pairs, "fwd+bwd"))):
+          try:
+            st = time_stats(jax.jit(fn), a, args.warmup, args.iters)
+            row[f"{impl}_{what}_median_s"], row[f"{impl}_{what}_p95_s"] = st["median_s"], st["p95_s"]
+            row[f"{impl}_{what}_TFps"] = flops / st["median_s"] / 1e12
+          except Exception as e:  # the materialising baseline may not fit
+            row[f"{impl}_{what}_error"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {e}"[:300]
+      print(f"B={B} T={T} N={N} K={K} H={H} causal={is_causal:d}: " + " ".join(
+          f"{i}_{w} {row[f'{i}_{w}_median_s'] * 1e3:.2f} ms (p95 {row[f'{i}_{w}_p95_s'] * 1e3:.2f},"
+          f" {row[f'{i}_{w}_TFps']:.1f} TF/s)" for i in ("hip", "xla") for w in ("fwd", "fwd_bwd")
+          if f"{i}_{w}_median_s" in row), flush=True)
       rows.append(row)
   return rows
 
 
 def main():
   args = parse_args()
+  if args.emulate:
+    with hip_ffi.emulated():
+      rows = correctness_rows(args.quick)
+    failed = [r for r in rows if not r.get("ok")]
+    print(f"emulated: {len(rows)} cases, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
   platform = next(iter(hip_ffi.device_platforms()), None)
   if platform is None:
     print(f"hip_check: no CUDA or ROCm device (jax backend: {jax.default_backend()})",
@@ -306,22 +310,26 @@ def main():
     return 4
   print(f"library {lib} ({build_s:.1f} s)", flush=True)
 
-  rows = [] if args.bandwidth else correctness_rows(args.quick)
-  speed = bandwidth_rows(args)
-  failed = [r for r in rows if not r.get("ok")]
-  name = args.out or (f"hip_bandwidth_{target}_{device_slug()}" if args.bandwidth
-                      else f"hip_{target}_{device_slug()}")
+  rows = [] if args.timing else correctness_rows(args.quick)
+  name = args.out or (f"hip_timing_{target}_{device_tag()}" if args.timing
+                      else f"hip_{target}_{device_tag()}")
   cmd = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
-  path = write_result(name, vars(args), rows, extra={
-      "speed": speed,
-      "commands": {"build": (lib.parent / "command.txt").read_text().strip(), "run": cmd},
-      "build_seconds": build_s,
-      "tile_table": {str(h): t for h, t in hip_ffi.tile_table().items()},
-      "summary": {"cases": len(rows), "failed": len(failed),
-                  "max_err_out_over_plain": max(
-                      (r["err_out"] / max(r["err_out_plain"], 1e-12) for r in rows
-                       if "err_out" in r), default=None)},
-  })
+  failed = [r for r in rows if not r.get("ok")]
+
+  def write(timing):  # after the correctness grid, and again with the timing
+    return write_result(name, vars(args), rows, extra={
+        "timing": timing,
+        "commands": {"build": (lib.parent / "command.txt").read_text().strip(), "run": cmd},
+        "build_seconds": build_s,
+        "tile_table": {str(h): t for h, t in hip_ffi.tile_table().items()},
+        "bwd_tile_table": {str(h): t for h, t in hip_ffi.bwd_tile_table().items()},
+        "summary": {"cases": len(rows), "failed": len(failed),
+                    "max_ratio_over_plain": max((r["max_ratio_over_plain"] for r in rows
+                                                 if r.get("max_ratio_over_plain")), default=None)},
+    })
+
+  write([])
+  path = write([] if args.no_timing else timing_rows(args))
   print(f"wrote {path}: {len(rows)} cases, {len(failed)} failed", flush=True)
   return 1 if failed else 0
 

@@ -6,13 +6,15 @@
   python -m hip_ffi.build --target emulate # g++: the kernel on CPU fibers, for tests
 
 The library lands in hip_ffi/_build/<target>-<hash>/ (gitignored), where <hash> covers
-the sources, the compiler flags and the jaxlib version (the FFI headers). A build
+the sources, the compiler flags, the compiler's version and the jaxlib version (the
+FFI headers). A build
 with the same hash is reused; a changed source builds into a new folder.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -26,14 +28,14 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 BUILD_ROOT = HERE / "_build"
 SOURCES = {  # what each target compiles (compat.h pulls emulate_cpu.h in only for "emulate")
-    "rocm": ("compat.h", "flash_fwd.hip"),
-    "cuda": ("compat.h", "flash_fwd.hip"),
-    "emulate": ("compat.h", "flash_fwd.hip", "emulate_cpu.h", "emulate_cpu.cc"),
+    "rocm": ("compat.h", "flash_attn.hip"),
+    "cuda": ("compat.h", "flash_attn.hip"),
+    "emulate": ("compat.h", "flash_attn.hip", "emulate_cpu.h", "emulate_cpu.cc"),
 }
-MAIN_SOURCE = "flash_fwd.hip"
+MAIN_SOURCE = "flash_attn.hip"
 EMULATE_SOURCE = "emulate_cpu.cc"
 LIB_NAME = "libjflash_hip.so"
-ASM_NAME = "flash_fwd-gfx906.s"
+ASM_NAME = "flash_attn-gfx906.s"
 TARGETS = ("rocm", "cuda", "emulate")
 GFX_ARCH = "gfx906"
 CUDA_ARCH = "sm_90"
@@ -102,13 +104,30 @@ def _env(target: str) -> dict:
   return env
 
 
+@functools.cache
+def compiler_version(target: str) -> str:
+  """`<compiler> --version` output (empty without the compiler): part of the cache key,
+  so a library built by another hipcc/nvcc/g++ (another ROCm on the MI50) is rebuilt."""
+  cc = compiler(target)
+  if cc is None:
+    return ""
+  try:
+    proc = subprocess.run([cc, "--version"], env=_env(target), capture_output=True, text=True,
+                          timeout=60)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return f"{cc}: {e}"
+  return proc.stdout + proc.stderr
+
+
 def source_hash(target: str) -> str:
+  """Hash of the sources, the flags, the jaxlib version (FFI headers) and the compiler."""
   h = hashlib.sha256()
   for name in SOURCES[target]:
     h.update(name.encode())
     h.update((CSRC / name).read_bytes())
   h.update(" ".join(flags(target, "<inc>")).encode())
   h.update(_jaxlib_version().encode())
+  h.update(compiler_version(target).encode())
   return h.hexdigest()[:16]
 
 
@@ -164,6 +183,30 @@ def build(target: str | None = None, *, force: bool = False, verbose: bool = Fal
   return lib
 
 
+LDS_PAD_HALVES = 8  # kPad in the kernel source: every LDS row is padded by 16 bytes
+
+
+def conflict_free_128bit(row_stride_bytes: int) -> bool:
+  """Whether 8 lanes reading 16 bytes each from 8 consecutive LDS rows hit 32 distinct
+  banks (one phase of a 128-bit LDS read on GCN: 32 banks of 4 bytes)."""
+  banks = [(r * row_stride_bytes // 4 + w) % 32 for r in range(8) for w in range(4)]
+  return row_stride_bytes % 16 == 0 and len(set(banks)) == 32
+
+
+def lds_row_strides() -> dict[str, int]:
+  """Every LDS row stride (bytes) the kernels read with 128-bit loads, by name."""
+  strides = {}
+  for d, rows in tile_table().items():
+    for t, (bq, bk, _) in enumerate(rows):
+      strides[f"fwd d={d} tile {t}: Q/K rows"] = 2 * (d + LDS_PAD_HALVES)
+      strides[f"fwd d={d} tile {t}: P/V^T rows"] = 2 * (bk + LDS_PAD_HALVES)
+  for d, (bq, bkv, _) in bwd_tile_table().items():
+    strides[f"bwd d={d}: Q/dO/K/V rows"] = 2 * (d + LDS_PAD_HALVES)
+    strides[f"bwd d={d}: Q^T/dO^T/P^T/dS^T rows"] = 2 * (bq + LDS_PAD_HALVES)
+    strides[f"bwd d={d}: K^T/dS rows"] = 2 * (bkv + LDS_PAD_HALVES)
+  return strides
+
+
 def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   """{head_dim: ((BQ, BK, threads) per `tile` index)}, read from FwdTileTable in the source."""
   text = (CSRC / MAIN_SOURCE).read_text()
@@ -173,6 +216,14 @@ def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   for d, t, bq, bk, nt in rows:
     table.setdefault(int(d), {})[int(t)] = (int(bq), int(bk), int(nt))
   return {d: tuple(v[i] for i in sorted(v)) for d, v in sorted(table.items())}
+
+
+def bwd_tile_table() -> dict[int, tuple[int, int, int]]:
+  """{head_dim: (BQ, BKV, threads)}, read from BwdTileTable in the source."""
+  text = (CSRC / MAIN_SOURCE).read_text()
+  rows = re.findall(r"BwdTileTable<(\d+)>\s*\{\s*static constexpr int "
+                    r"BQ = (\d+),\s*BKV = (\d+),\s*NT = (\d+);", text)
+  return {int(d): (int(bq), int(bk), int(nt)) for d, bq, bk, nt in sorted(rows)}
 
 
 # -- the gfx906 resource report ---------------------------------------------------------
@@ -189,6 +240,7 @@ class KernelReport:
   waves_per_simd_lds: int      # LDS alone: blocks per CU x waves per block / 4 SIMDs
   dot2: int                    # v_dot2_f32_f16 in the whole kernel
   dot2_in_loops: int           # ... inside loop bodies (the key-tile loop)
+  global_loads: dict = dataclasses.field(default_factory=dict)  # mnemonic -> count
 
 
 def _demangle(names: list[str]) -> list[str]:
@@ -211,7 +263,11 @@ def parse_gfx906_asm(text: str) -> list[KernelReport]:
     # A basic block starts at a label (".LBB0_3:" or "; %bb.3:"); LLVM marks loop
     # members on that line or on the comment-only lines right after it.
     in_loop, header, dot2, dot2_loop = False, False, 0, 0
+    loads: dict[str, int] = {}
     for line in body.splitlines():
+      op = re.match(r"^\s+((?:global|flat|buffer)_load_\w+)", line)
+      if op:
+        loads[op.group(1)] = loads.get(op.group(1), 0) + 1
       if re.match(r"^(\.LBB\d+_\d+:|; %bb\.\d+:)", line):
         in_loop, header = "Loop" in line, True
       elif header and re.match(r"^\s+;", line):
@@ -224,7 +280,8 @@ def parse_gfx906_asm(text: str) -> list[KernelReport]:
     lds = int(re.search(r"; LDSByteSize: (\d+)", tail).group(1))
     stats[name] = dict(vgprs=num("NumVgprs"), sgprs=num("NumSgprs"),
                        scratch_bytes=num("ScratchSize"), lds_bytes=lds,
-                       waves_per_simd=num("Occupancy"), dot2=dot2, dot2_in_loops=dot2_loop)
+                       waves_per_simd=num("Occupancy"), dot2=dot2, dot2_in_loops=dot2_loop,
+                       global_loads=loads)
   # The amdhsa metadata block lists each kernel's .name and .max_flat_workgroup_size.
   for m in re.finditer(r"\.max_flat_workgroup_size:\s*(\d+).*?\.name:\s*(\S+)", text, re.S):
     if m.group(2) in stats:

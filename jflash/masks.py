@@ -14,6 +14,7 @@ pass regenerates the forward's keep mask instead of storing it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,7 +24,8 @@ import numpy as np
 Array = jax.Array
 
 from pallas_kernels.masking import (
-    BOUNDARY, FULL, SKIP, classes_static, dropout_keep, dropout_row_key, ranges_from_classes)
+    BOUNDARY, FULL, SKIP, MaskOperands, MaskOptions, classes_static, dropout_keep,
+    dropout_row_key, ranges_from_classes)
 
 _STATIC = ("is_causal", "window", "soft_cap", "dropout_rate")
 _ARRAYS = ("bias", "mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
@@ -214,3 +216,20 @@ def masked_logits(raw, cols, masks: Masks, *, K, G, S):
     z = dropout_keep(key, colsb[None, None, None], masks.dropout_rate)
     drop = z.astype(raw.dtype) / (1 - masks.dropout_rate)
   return s, t, drop
+
+
+def kernel_records(masks: Masks, *, B: int, T: int, S: int) -> tuple[MaskOptions, MaskOperands]:
+  """`masks` as pallas_kernels.masking's own records: the static options and the arrays
+  with the data-dependent tile schedule (lengths, segment ids). Every kernel backend
+  ("pallas", "mosaic_gpu", "hip") builds its per-tile ranges from these, so they all
+  skip and mask exactly the same tiles."""
+  opts = MaskOptions(is_causal=masks.is_causal, window=masks.window,
+                     soft_cap=masks.soft_cap, dropout_rate=masks.dropout_rate)
+  schedule = None
+  if masks.structured:
+    schedule = functools.partial(data_tile_classes, B=B, T=T, S=S, masks=masks)
+  ops = MaskOperands(schedule=schedule, q_lengths=masks.q_lengths,
+                     kv_lengths=masks.kv_lengths, q_segment_ids=masks.q_segment_ids,
+                     kv_segment_ids=masks.kv_segment_ids, mask=masks.mask,
+                     bias=masks.bias, dropout_seed=masks.dropout_seed)
+  return opts, ops

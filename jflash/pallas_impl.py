@@ -2,19 +2,18 @@
 
 The one adapter between jflash's vocabulary and the kernel package's own records:
 `Masks` -> `pallas_kernels.masking.MaskOptions` (static) and `MaskOperands` (arrays and
-the data-dependent tile schedule); `PallasConfig` -> `pallas_kernels.tuning.BlockSizes`.
+the data-dependent tile schedule), through `jflash.masks.kernel_records`; `PallasConfig`
+-> `pallas_kernels.tuning.BlockSizes`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from jflash.api import first_order_only
 from jflash.config import PallasConfig
-from jflash.masks import Masks, data_tile_classes
+from jflash.masks import Masks, kernel_records
 from pallas_kernels import backward as _bwd
 from pallas_kernels import forward as _fwd
-from pallas_kernels.masking import MaskOperands, MaskOptions
 from pallas_kernels.tuning import BlockSizes, padded_head_dim
 
 # The largest padded head_dim with a tile table entry (pallas_kernels/tuning.py): one
@@ -28,20 +27,9 @@ def supports(q, k, v, cfg, masks):
     raise NotImplementedError(f"pallas kernels support head_dim <= {MAX_HEAD_DIM}, got {H}")
 
 
-def _options(masks: Masks) -> MaskOptions:
-  return MaskOptions(is_causal=masks.is_causal, window=masks.window,
-                     soft_cap=masks.soft_cap, dropout_rate=masks.dropout_rate)
-
-
-def _operands(q, k, masks: Masks) -> MaskOperands:
-  schedule = None
-  if masks.structured:
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    schedule = functools.partial(data_tile_classes, B=B, T=T, S=S, masks=masks)
-  return MaskOperands(schedule=schedule, q_lengths=masks.q_lengths,
-                      kv_lengths=masks.kv_lengths, q_segment_ids=masks.q_segment_ids,
-                      kv_segment_ids=masks.kv_segment_ids, mask=masks.mask,
-                      bias=masks.bias, dropout_seed=masks.dropout_seed)
+def _records(q, k, masks: Masks) -> dict:
+  opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
+  return dict(opts=opts, ops=ops)
 
 
 def _block_sizes(cfg) -> BlockSizes | None:
@@ -52,14 +40,13 @@ def _block_sizes(cfg) -> BlockSizes | None:
 
 def forward(q, k, v, cfg, masks):
   fwd = lambda q, k, v, masks: _fwd.flash_forward(
-      q, k, v, scale=cfg.scale, opts=_options(masks), ops=_operands(q, k, masks),
-      block_sizes=_block_sizes(cfg))
+      q, k, v, scale=cfg.scale, **_records(q, k, masks), block_sizes=_block_sizes(cfg))
   return first_order_only(fwd, "the pallas forward kernel")(q, k, v, masks)
 
 
 def backward(q, k, v, out, lse, dout, dlse, cfg, masks):
   bwd = lambda q, k, v, out, lse, dout, dlse, masks: _bwd.flash_backward(
-      q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=_options(masks),
-      ops=_operands(q, k, masks), block_sizes=_block_sizes(cfg))
+      q, k, v, out, lse, dout, dlse, scale=cfg.scale, **_records(q, k, masks),
+      block_sizes=_block_sizes(cfg))
   return first_order_only(bwd, "the pallas backward kernels")(
       q, k, v, out, lse, dout, dlse, masks)

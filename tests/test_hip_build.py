@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +45,18 @@ def test_gfx906_build(rocm_lib):
   assert "--offload-arch=gfx906" in (rocm_lib.parent / "command.txt").read_text()
 
 
+def _kernel(r):
+  """(kind, head_dim, tile or None) from a report's demangled name."""
+  m = re.search(r"flash_(fwd|bwd_delta|bwd_dq|bwd_dkdv)_kernel<(\d+)(?:, (\d+))?>", r.name)
+  assert m, r.name
+  return m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))
+
+
 def test_every_kernel_is_in_the_report(reports):
-  table = build.tile_table()
-  want = {(d, t, c) for d in table for t in range(len(table[d])) for c in (True, False)}
-  got = set()
-  for r in reports:
-    m = re.search(r"flash_fwd_kernel<(\d+), (\d+), (true|false)>", r.name)
-    assert m, r.name
-    got.add((int(m.group(1)), int(m.group(2)), m.group(3) == "true"))
-  assert got == want
+  fwd, bwd = build.tile_table(), build.bwd_tile_table()
+  want = {("fwd", d, t) for d in fwd for t in range(len(fwd[d]))}
+  want |= {(kind, d, None) for d in bwd for kind in ("bwd_delta", "bwd_dq", "bwd_dkdv")}
+  assert {_kernel(r) for r in reports} == want
 
 
 def test_no_spills_lds_within_budget_two_waves(reports):
@@ -65,20 +69,51 @@ def test_no_spills_lds_within_budget_two_waves(reports):
 
 
 def test_dot2_in_the_inner_loops(reports):
+  # Every fp16 product of every kernel (QK^T, PV, dP, dV, dK, dQ, rowsum(dO * O)) is
+  # v_dot2_f32_f16, and all of them sit inside the tile loops.
   for r in reports:
     assert r.dot2_in_loops > 0, f"{r.name}: no v_dot2_f32_f16 inside a loop"
-    assert r.dot2_in_loops == r.dot2, f"{r.name}: dot2 outside the key-tile loop"
+    assert r.dot2_in_loops == r.dot2, f"{r.name}: dot2 outside the tile loops"
 
 
-def test_lds_matches_the_tile_table(reports):
-  pad = 8  # kPad in flash_fwd.hip
-  table = build.tile_table()
+def test_fp16_tiles_load_128_bits_at_a_time(reports):
+  # fp16 data is read only through 128-bit loads; the 32-bit loads are the fp32 lse /
+  # delta and the int32 ranges and segment ids. No 8- or 16-bit global load anywhere.
   for r in reports:
-    d, t = map(int, re.search(r"<(\d+), (\d+),", r.name).groups())
-    bq, bk, nt = table[d][t]
-    halves = bq * (d + pad) + max(bk * (d + pad), bq * (bk + pad)) + d * (bk + pad)
-    assert r.lds_bytes == 2 * halves, r.name
-    assert r.workgroup_size == nt, r.name
+    assert r.global_loads.get("global_load_dwordx4", 0) > 0, (r.name, r.global_loads)
+    narrow = {op: n for op, n in r.global_loads.items()
+              if re.search(r"byte|short|d16|dwordx2|dwordx3", op) or op.startswith("flat")}
+    assert not narrow, (r.name, narrow)
+
+
+def test_lds_rows_are_conflict_free_for_128_bit_reads():
+  # Each row stride is padded by 16 bytes: 8 consecutive rows start 4 banks apart (mod
+  # 32), so the 8 lanes of a 128-bit phase read 32 distinct banks. An unpadded stride
+  # (or a 4-byte pad) would give 8- or 4-way conflicts; the check catches both.
+  assert not build.conflict_free_128bit(128) and not build.conflict_free_128bit(132)
+  for name, stride in build.lds_row_strides().items():
+    assert build.conflict_free_128bit(stride), f"{name}: stride {stride} bytes conflicts"
+
+
+def test_lds_matches_the_tile_tables(reports):
+  pad = build.LDS_PAD_HALVES
+  fwd, bwd = build.tile_table(), build.bwd_tile_table()
+  for r in reports:
+    kind, d, t = _kernel(r)
+    if kind == "fwd":
+      bq, bk, nt = fwd[d][t]
+      halves = bq * (d + pad) + max(bk * (d + pad), bq * (bk + pad)) + d * (bk + pad)
+      assert (r.lds_bytes, r.workgroup_size) == (2 * halves, nt), r.name
+      continue
+    bq, bkv, nt = bwd[d]
+    ds, qts, kts = d + pad, bq + pad, bkv + pad
+    if kind == "bwd_dq":
+      want = 2 * (2 * bq * ds + 2 * bkv * ds + d * kts + bq * kts)
+    elif kind == "bwd_dkdv":  # Q / Q^T and dO / dO^T share their LDS; lse and delta
+      want = 2 * (2 * bkv * ds + 2 * max(bq * ds, d * qts) + 2 * bkv * qts) + 2 * 4 * bq
+    else:
+      want, nt = 0, 256
+    assert (r.lds_bytes, r.workgroup_size) == (want, nt), r.name
 
 
 def test_report_parser_on_a_synthetic_listing():
@@ -103,6 +138,7 @@ def test_report_parser_on_a_synthetic_listing():
   (r,) = build.parse_gfx906_asm(asm)
   assert (r.vgprs, r.sgprs, r.scratch_bytes, r.lds_bytes, r.waves_per_simd) == (20, 10, 0, 1024, 10)
   assert (r.dot2, r.dot2_in_loops, r.workgroup_size, r.waves_per_simd_lds) == (3, 2, 256, 10)
+  assert r.global_loads == {}
 
 
 def test_cuda_build_compiles():
@@ -120,6 +156,14 @@ def _lower_rocm(fn, *avals):
   return traced.lower(lowering_platforms=("rocm",)).as_text()
 
 
+def _calls(text, target=None):
+  lines = [l for l in text.splitlines() if "stablehlo.custom_call" in l]
+  return lines if target is None else [l for l in lines if f"@{target}(" in l]
+
+
+TARGET = {op: name for op, (name, _) in hip_ffi.TARGETS.items()}
+
+
 @pytest.mark.parametrize("H,is_causal", [(64, True), (128, False)])
 def test_lowers_to_the_custom_call_for_rocm(rocm_lib, H, is_causal):
   B, T, S, N, K = 2, 97, 113, 8, 2
@@ -128,39 +172,78 @@ def test_lowers_to_the_custom_call_for_rocm(rocm_lib, H, is_causal):
   fn = lambda q, k, v: jflash.attention(q, k, v, scale=0.25, is_causal=is_causal,
                                         implementation="hip", return_residuals=True)
   text = _lower_rocm(fn, q, kv, kv)
-  calls = [l for l in text.splitlines() if "stablehlo.custom_call" in l]
-  assert len(calls) == 1 and f"@{hip_ffi.TARGET_NAME}(" in calls[0], calls
-  call = calls[0]
-  assert re.search(r"@jflash_flash_fwd\(%\w+, %\w+, %\w+\)", call)  # q, k, v
+  assert len(_calls(text)) == 1, _calls(text)
+  (call,) = _calls(text, TARGET["forward"])
+  bq = build.tile_table()[H][0][0]
+  nq = -(-T // bq)
+  # q, k, v, the ranges table and the (placeholder) segment ids; typed results.
   assert (f"(tensor<{B}x{T}x{N}x{H}xf16>, tensor<{B}x{S}x{K}x{H}xf16>, "
-          f"tensor<{B}x{S}x{K}x{H}xf16>) -> (tensor<{B}x{T}x{N}x{H}xf16>, "
-          f"tensor<{B}x{N}x{T}xf32>)") in call
+          f"tensor<{B}x{S}x{K}x{H}xf16>, tensor<{B}x{nq}x8xi32>, tensor<1x1xi32>, "
+          f"tensor<1x1xi32>) -> (tensor<{B}x{T}x{N}x{H}xf16>, tensor<{B}x{N}x{T}xf32>)") in call
   assert f"is_causal = {str(is_causal).lower()}" in call
   assert "scale = 2.500000e-01 : f32" in call
-  assert "tile = 0 : i32" in call
+  assert "tile = 0 : i32" in call and "has_segments = false" in call
+  assert "window_left = -1 : i32" in call
 
 
-def test_tile_attribute_follows_block_sizes(rocm_lib):
+def test_tile_attribute_follows_config(rocm_lib):
   bq, bk, _ = build.tile_table()[64][1]
   q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float16)
   fn = lambda q, k, v: jflash.attention(q, k, v, implementation="hip",
-                                        block_sizes=jflash.BlockSizes(bq, bk))
+                                        config=jflash.HipConfig(bq, bk))
   assert "tile = 1 : i32" in _lower_rocm(fn, q, q, q)
 
 
-def test_gradient_recomputes_without_a_second_custom_call(rocm_lib):
-  # The backward is jflash.chunked.backward from (q, k, v, out, lse): one forward call.
-  q = jax.ShapeDtypeStruct((1, 97, 2, 64), jnp.float16)
-  fn = lambda q, k, v: jax.grad(lambda q: jflash.attention(
-      q, k, v, is_causal=True, implementation="hip").astype(jnp.float32).sum())(q)
-  text = _lower_rocm(fn, q, q, q)
-  assert text.count("stablehlo.custom_call @jflash_flash_fwd") == 1
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_gradient_calls_only_the_hip_kernels(rocm_lib, dtype):
+  # jax.grad through implementation="hip": the forward once, then delta, dQ and dK/dV,
+  # and no other custom call (no xla_chunked or Pallas fallback in the backward).
+  B, T, S, N, K, H = 1, 97, 80, 4, 2, 64
+  q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), dtype)
+  lens = jnp.array([70], jnp.int32)
+  fn = lambda q, k, v: jax.grad(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, local_window_size=(40, 3), key_value_seq_lengths=lens,
+      implementation="hip").astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+  text = _lower_rocm(fn, q, kv, kv)
+  assert {l.split("@")[1].split("(")[0] for l in _calls(text)} == set(TARGET.values())
+  for op in TARGET.values():
+    assert len(_calls(text, op)) == 1, op
+  bq, bkv, _ = build.bwd_tile_table()[H]
+  (dq,) = _calls(text, TARGET["dq"])
+  (dkdv,) = _calls(text, TARGET["dkdv"])
+  assert f"tensor<{B}x{-(-T // bq)}x8xi32>" in dq            # ranges per query tile
+  assert f"tensor<{B}x{-(-S // bkv)}x8xi32>" in dkdv         # ranges per key tile
+  assert f"-> tensor<{B}x{T}x{N}x{H}xf32>" in dq
+  assert f"-> (tensor<{B}x{S}x{K}x{H}xf32>, tensor<{B}x{S}x{K}x{H}xf32>)" in dkdv
+  assert "window_left = 40 : i32" in dkdv and "window_right = 3 : i32" in dkdv
+
+
+def test_segment_ids_reach_the_kernels(rocm_lib):
+  q = jax.ShapeDtypeStruct((2, 64, 2, 128), jnp.float16)
+  seg = jnp.zeros((2, 64), jnp.int32)
+  fn = lambda q: jflash.attention(q, q, q, segment_ids=seg, implementation="hip")
+  (call,) = _calls(_lower_rocm(fn, q), TARGET["forward"])
+  assert "has_segments = true" in call and "tensor<2x64xi32>, tensor<2x64xi32>" in call
+
+
+def test_vmap_is_one_call_with_a_leading_batch_dim(rocm_lib):
+  # vmap_method="broadcast_all": the vmapped axis becomes a leading (batch) dim of every
+  # operand, which the handlers fold into B: one launch, not a loop.
+  q = jax.ShapeDtypeStruct((3, 1, 40, 2, 64), jnp.float16)
+  fn = jax.vmap(lambda q: jflash.attention(q, q, q, is_causal=True, implementation="hip"))
+  calls = _calls(_lower_rocm(fn, q), TARGET["forward"])
+  assert len(calls) == 1 and "tensor<3x1x40x2x64xf16>" in calls[0], calls
+  assert "tensor<3x1x1x8xi32>" in calls[0]
 
 
 # -- host-side checks -----------------------------------------------------------------------
 
 def _aval(shape, dtype=jnp.float16):
   return jax.ShapeDtypeStruct(shape, dtype)
+
+
+_R = jnp.zeros((1, 1, 8), jnp.int32)
 
 
 @pytest.mark.parametrize("q,k,v,kw,match", [
@@ -174,30 +257,37 @@ def _aval(shape, dtype=jnp.float16):
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"tile": 7}, "tile=7"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"scale": float("nan")}, "scale=nan"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"is_causal": 1}, "is_causal=1"),
-], ids=["q-f32", "k-bf16", "rank", "gqa", "head-dim", "k-v", "batch", "tile", "scale", "causal"])
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"window": (3, -1)}, "window=(3, -1)"),
+    (_aval((1, 8, 65536, 64)), _aval((1, 8, 1, 64)), _aval((1, 8, 1, 64)), {}, "<= 65535"),
+], ids=["q-f32", "k-bf16", "rank", "gqa", "head-dim", "k-v", "batch", "tile", "scale", "causal",
+        "window", "grid"])
 def test_raw_op_rejects_bad_inputs_before_the_call(q, k, v, kw, match):
   args = {"scale": 0.125, "is_causal": False, "tile": 0, **kw}
   with pytest.raises(ValueError, match=re.escape(match)):
-    jax.eval_shape(lambda q, k, v: hip_ffi.flash_forward(q, k, v, **args), q, k, v)
+    jax.eval_shape(lambda q, k, v: hip_ffi.flash_forward(q, k, v, _R, **args), q, k, v)
 
 
 def test_raw_op_shapes():
   q, kv = _aval((2, 97, 8, 128)), _aval((2, 113, 2, 128))
+  r = jnp.zeros((2, 2, 8), jnp.int32)
   out, lse = jax.eval_shape(
-      lambda q, k, v: hip_ffi.flash_forward(q, k, v, scale=0.1, is_causal=True), q, kv, kv)
+      lambda q, k, v: hip_ffi.flash_forward(q, k, v, r, scale=0.1, is_causal=True), q, kv, kv)
   assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, jnp.float16, (2, 8, 97), jnp.float32)
+  dk, dv = jax.eval_shape(lambda q, k, v: hip_ffi.flash_backward_dkdv(
+      q, k, v, q, jnp.zeros((2, 8, 97)), jnp.zeros((2, 8, 97)), r, scale=0.1, is_causal=True),
+      q, kv, kv)
+  assert dk.shape == dv.shape == kv.shape and dk.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("dtype,H,blocks,match", [
-    (jnp.float32, 64, None, "float16"),
-    (jnp.bfloat16, 64, None, "float16"),
+    (jnp.float32, 64, None, "float16, bfloat16"),
     (jnp.float16, 96, None, "head_dim=96"),
-    (jnp.float16, 64, jflash.BlockSizes(16, 16), "not a compiled tile"),
+    (jnp.float16, 64, jflash.HipConfig(16, 16), "not a compiled tile"),
 ])
 def test_unsupported_calls_raise_not_implemented(dtype, H, blocks, match):
   x = jnp.zeros((1, 16, 2, H), dtype)
   with pytest.raises(NotImplementedError, match=match):
-    jflash.attention(x, x, x, implementation="hip", block_sizes=blocks)
+    jflash.attention(x, x, x, implementation="hip", config=blocks)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only message")
@@ -234,12 +324,26 @@ def test_imports_need_no_compiler_and_hip_ffi_never_imports_jflash(tmp_path):
     assert "import jflash" not in text and "from jflash" not in text, f
 
 
+def test_the_grid_limit_lives_in_one_python_place():
+  root = Path(hip_ffi.__file__).resolve().parents[1]
+  hits = [f for f in [*(root / "hip_ffi").glob("*.py"), root / "jflash" / "hip_impl.py"]
+          if "65535" in f.read_text()]
+  assert hits == [root / "hip_ffi" / "__init__.py"], hits
+
+
 @pytest.mark.parametrize("kw,match", [
-    ({"local_window_size": 4}, "window"),
     ({"logits_soft_cap": 30.0}, "soft_cap"),
     ({"mask": np.ones((1, 1, 16, 16), bool)}, "mask"),
+    ({"bias": np.zeros((1, 1, 16, 16), np.float16)}, "bias"),
+    ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, "dropout"),
 ])
-def test_options_the_kernel_lacks_raise_not_implemented(kw, match):
+def test_options_the_kernels_lack_raise_not_implemented(kw, match):
   x = jnp.zeros((1, 16, 2, 64), jnp.float16)
   with pytest.raises(NotImplementedError, match=match):
     jflash.attention(x, x, x, implementation="hip", **kw)
+
+
+def test_build_cache_key_covers_the_compiler_version(monkeypatch):
+  before = build.source_hash("emulate")
+  monkeypatch.setattr(build, "compiler_version", lambda target: "g++ (other) 99.0")
+  assert build.source_hash("emulate") != before

@@ -39,6 +39,10 @@ __device__ __forceinline__ float jf_shfl_xor(float v, int mask, int width) {
   return __shfl_xor(v, mask, width);
 }
 
+// Occupancy floor: caps the VGPRs per lane at 256 / n so that n waves fit a SIMD (a
+// 256-thread block otherwise lets the compiler take up to 256 VGPRs, one wave).
+#define JF_WAVES_PER_SIMD(n) __attribute__((amdgpu_waves_per_eu(n)))
+
 // dot2 differs: gfx906 has v_dot2_f32_f16 (two fp16 products summed into an fp32
 // accumulator in one instruction); NVIDIA has no fp16->fp32 dot2, see the CUDA side.
 __device__ __forceinline__ float jf_dot2(uint32_t a, uint32_t b, float c) {
@@ -71,6 +75,9 @@ typedef cudaError_t gpuError_t;
 
 // Wave size differs: 32 lanes per warp here (GCN: 64); see the HIP side.
 #define JF_WARP_SIZE 32
+
+// Occupancy is the compiler's business here (the kernel is tuned for gfx906 only).
+#define JF_WAVES_PER_SIMD(n)
 
 // All lanes of the warp take part in every shuffle of the kernel (no divergence
 // around the reductions), hence the full member mask.

@@ -27,6 +27,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
+#define JF_WAVES_PER_SIMD(n)
 
 using std::max;
 using std::min;
