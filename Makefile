@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test hip report mi50 bench clean
+.PHONY: setup demo test hip report mi50 clean
 
 setup: $(VENV)/.installed
 
@@ -31,7 +31,7 @@ report: setup
 # ROCm, audit, check against float64, time (10 warm-up, 50 measured, median and p95).
 mi50: setup
 	$(PY) -m hip_ffi.build --target rocm --report
-	$(PY) experiments/hip_check.py --target rocm
+	$(PY) -m experiments.hip_check --target rocm
 
 clean:
 	rm -rf $(VENV) hip_ffi/_build .pytest_cache

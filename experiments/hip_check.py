@@ -1,9 +1,9 @@
 """Builds the jflash HIP kernels for the local GPU, checks them against float64, times them.
 
-  python experiments/hip_check.py               # correctness (forward and gradients),
+  python -m experiments.hip_check               # correctness (forward and gradients),
                                                 #   then timing -> results/hip_<target>_<device>.json
-  python experiments/hip_check.py --timing      # timing only (MI50 owners: `make mi50`)
-  python experiments/hip_check.py --quick       # a smaller grid, smaller timing shapes
+  python -m experiments.hip_check --timing      # timing only (MI50 owners: `make mi50`)
+  python -m experiments.hip_check --quick       # a smaller grid, smaller timing shapes
 
 The kernel source is one file for hipcc (gfx906, the product) and nvcc (sm_90, how its
 logic is run on NVIDIA hardware). Correctness goes through `jflash.attention(...,

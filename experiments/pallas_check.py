@@ -5,9 +5,9 @@ float64 NumPy truth, under the test suite's rule: error <= 2x the error of the p
 same-dtype implementation (`implementation="xla"`) + the test suite's floor.
 On a CPU it runs the same cases at a small size (interpret mode).
 
-  python experiments/pallas_check.py                  # both presets (GPU sizes)
-  python experiments/pallas_check.py --preset model   # GQA/MQA, d 80/96/256, T = S = 3000
-  python experiments/pallas_check.py --seq 256        # any backend, smaller
+  python -m experiments.pallas_check                  # both presets (GPU sizes)
+  python -m experiments.pallas_check --preset model   # GQA/MQA, d 80/96/256, T = S = 3000
+  python -m experiments.pallas_check --seq 256        # any backend, smaller
 
 Presets: "fa2" is the FlashAttention-2 grid (T = S = 4096, d 64/128, bf16/fp16, causal
 and not, plus two masked cases); "model" is model shapes: GQA 32/8 and MQA 16/1 at

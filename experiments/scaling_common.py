@@ -13,7 +13,7 @@ from experiments import common
 
 # Labels of the attention paths compared everywhere. "standard" materialises the
 # T x S scores; "jflash" is jflash's default for the platform; "cudnn" is jax.nn's.
-IMPLEMENTATIONS = {"standard": "xla", "jflash": None, "cudnn": "cudnn"}
+IMPLEMENTATIONS = {"standard": "xla", "jflash": None, "cudnn": "cudnn", "hip": "hip"}
 
 
 def attention_callable(label: str, is_causal: bool):
@@ -26,10 +26,15 @@ def attention_callable(label: str, is_causal: bool):
 
 
 def labels_for_backend(requested: list[str] | None = None) -> list[str]:
-  """cuDNN attention exists only on NVIDIA GPUs; elsewhere it is left out, not faked."""
-  on_gpu = jax.default_backend() == "gpu"
-  labels = requested or list(IMPLEMENTATIONS)
-  return [l for l in labels if l != "cudnn" or on_gpu]
+  """cuDNN attention exists only on NVIDIA GPUs and the HIP kernels only where their
+  library serves a device; by default each is left out elsewhere, not faked (asked for
+  by name, a label runs and its failure is recorded)."""
+  device = jax.devices()[0]
+  on_cuda = device.platform == "gpu" and "cuda" in str(device.client.platform_version).lower()
+  on_rocm = device.platform == "gpu" and not on_cuda
+  if requested:
+    return [l for l in requested if l != "cudnn" or on_cuda]
+  return [l for l in IMPLEMENTATIONS if (l != "cudnn" or on_cuda) and (l != "hip" or on_rocm)]
 
 
 def memory_budget_bytes(override_gb: float | None) -> tuple[int | None, str]:

@@ -47,21 +47,30 @@ PRESETS = {
     # compiled only (no arrays allocated), so it keeps doubling until standard exceeds
     # host RAM.
     "cpu": dict(batch=1, heads=4, kv_heads=4, head_dim=64, dtype="float32",
-                seq_start=256, seq_max=65536, time_max_seq=2048, iters=3,
+                seq_start=256, seq_max=65536, time_max_seq=2048, iters=3, warmup=1,
                 lm_layers=2, lm_hidden=128, lm_heads=4, lm_head_dim=32, lm_vocab=256,
                 lm_batch=2, lm_seqs="256,512,1024", lm_long_seqs="", lm_iters=3,
                 lm_dtype="float32", lm_impls="standard,jflash", lm_cudnn_seqs="",
                 lm_long_impls="jflash", lm_long_standard_seqs=""),
     # The A100 table's model on an H200 (bf16 compute, f32 master weights).
     "h200": dict(batch=4, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16",
-                 seq_start=1024, seq_max=32768, time_max_seq=32768, iters=5,
+                 seq_start=1024, seq_max=32768, time_max_seq=32768, iters=5, warmup=1,
                  lm_layers=12, lm_hidden=1024, lm_heads=8, lm_head_dim=128, lm_vocab=32768,
                  lm_batch=4, lm_seqs="1024,2048,4096,8192", lm_long_seqs="16384,32768",
                  lm_iters=3, lm_dtype="bfloat16", lm_impls="standard,jflash",
                  lm_cudnn_seqs="4096", lm_long_impls="jflash", lm_long_standard_seqs="32768"),
+    # A 16 GB MI50 (gfx906): the seed's memory table, standard against the HIP kernels,
+    # float16 (gfx906 has no bf16 arithmetic); 10 warm-up runs and 50 measured, as the
+    # seed measured. Run with --impls standard,hip --time-budget-s 600.
+    "mi50": dict(batch=1, heads=8, kv_heads=8, head_dim=128, dtype="float16",
+                 seq_start=1024, seq_max=16384, time_max_seq=16384, iters=50, warmup=10,
+                 lm_layers=12, lm_hidden=1024, lm_heads=8, lm_head_dim=128, lm_vocab=32768,
+                 lm_batch=1, lm_seqs="1024,2048,4096", lm_long_seqs="8192,16384", lm_iters=50,
+                 lm_dtype="float16", lm_impls="standard,hip", lm_cudnn_seqs="",
+                 lm_long_impls="hip", lm_long_standard_seqs="8192"),
     # Test-suite size: seconds.
     "tiny": dict(batch=1, heads=2, kv_heads=1, head_dim=16, dtype="float32",
-                 seq_start=64, seq_max=128, time_max_seq=64, iters=1,
+                 seq_start=64, seq_max=128, time_max_seq=64, iters=1, warmup=1,
                  lm_layers=1, lm_hidden=32, lm_heads=2, lm_head_dim=16, lm_vocab=64,
                  lm_batch=1, lm_seqs="64", lm_long_seqs="128", lm_iters=1,
                  lm_dtype="float32", lm_impls="standard,jflash", lm_cudnn_seqs="",
@@ -95,7 +104,8 @@ def parse_args(argv=None):
       ("seq_start", int, "first sequence length"),
       ("seq_max", int, "stop doubling here even if standard still fits"),
       ("time_max_seq", int, "time only up to here (above: memory only, nothing allocated)"),
-      ("iters", int, "timed repetitions (median reported), after 1 warm-up"),
+      ("iters", int, "timed repetitions (median reported), after the warm-up runs"),
+      ("warmup", int, "untimed runs before the timed ones (attention and LM)"),
       ("lm_layers", int, "LM depth"), ("lm_hidden", int, "LM width"),
       ("lm_heads", int, "LM heads"), ("lm_head_dim", int, "LM head dim"),
       ("lm_vocab", int, "LM vocabulary"), ("lm_batch", int, "LM batch (sequences/step)"),
@@ -107,7 +117,7 @@ def parse_args(argv=None):
       ("lm_long_impls", str, "labels run at --lm-long-seqs (with remat)"),
       ("lm_long_standard_seqs", str, "long lengths where standard+remat is tried too, to "
                                      "record that it cannot (compile-only when over budget)"),
-      ("lm_iters", int, "timed LM steps after 1 warm-up"),
+      ("lm_iters", int, "timed LM steps after the warm-up steps"),
       ("lm_dtype", str, "LM compute dtype (params stay float32)")])
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "h200")
@@ -171,7 +181,7 @@ def run_attention(args, labels, budget):
       else:
         arrays = random_arrays(args.seed + T, structs)
         t = common.time_calls(lambda: compiled(*arrays), rounds=args.iters,
-                              budget_s=args.time_budget_s)
+                              warmup=args.warmup, budget_s=args.time_budget_s)
         del arrays
         flops = attention_flops(args.batch, args.heads, args.head_dim,
                                 dense_pairs(T, T, args.causal), mode)
@@ -230,7 +240,8 @@ def run_lm(args, labels, budget):
         def one_step():
           state[0], state[1], loss = compiled(state[0], state[1], tok, tok, w)
           return loss
-        t = common.time_calls(one_step, rounds=args.lm_iters, budget_s=args.time_budget_s)
+        t = common.time_calls(one_step, rounds=args.lm_iters, warmup=args.warmup,
+                              budget_s=args.time_budget_s)
         med = t["median_s"]
         loss = float(one_step())
         tokens = args.lm_batch * T

@@ -100,3 +100,13 @@ def test_train_lm_tiny_and_resume(tmp_path):
   row = load(tmp_path, "train_lm_cpu_tiny")["rows"][0]
   assert row["resumed_from"] == 6
   assert row["history"]["step"] == list(range(1, 9))
+
+
+def test_mi50_preset_times_as_the_seed_did():
+  # 10 warm-up runs and 50 measured, float16 (gfx906 has no bf16 arithmetic), the HIP
+  # kernels against standard attention, a 12-layer LM up to 16K tokens.
+  from experiments import seq_scaling
+  args = seq_scaling.parse_args(["--preset", "mi50"])
+  assert (args.warmup, args.iters, args.lm_iters) == (10, 50, 50)
+  assert args.dtype == args.lm_dtype == "float16"
+  assert args.lm_impls == "standard,hip" and args.lm_layers == 12 and args.seq_max == 16384
