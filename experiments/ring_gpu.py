@@ -24,14 +24,14 @@ all of them):
            tokens/s and loss.
 
   python -m experiments.ring_gpu --out-dir experiments/results     # on the GPU machine
-  python -m experiments.ring_gpu --cpu-smoke                        # 2 CPU devices, tiny
+  python -m experiments.ring_gpu --tiny                        # 2 CPU devices, tiny
 """
 from __future__ import annotations
 
 import os
 import sys
 
-if "--cpu-smoke" in sys.argv:  # must precede the first jax import
+if "--tiny" in sys.argv:  # must precede the first jax import
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=2")
@@ -60,7 +60,7 @@ BF16_EPS = 2.0 ** -8
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on 2 CPU devices")
+  p.add_argument("--tiny", action="store_true", help="tiny sizes on 2 CPU devices (tests)")
   p.add_argument("--implementation", default=None,
                  help="local block implementation (default: GPU pallas, CPU xla_chunked)")
   p.add_argument("--check-seq", type=int, default=4096)
@@ -72,10 +72,11 @@ def parse_args(argv=None):
   p.add_argument("--lm-steps", type=int, default=3)
   p.add_argument("--time-limit-s", type=float, default=330.0,
                  help="stop starting new parts after this (JSON is always written)")
+  p.add_argument("--parts", default="check,speed,lm", help="which parts to run")
   p.add_argument("--out-dir", default=None)
   p.add_argument("--name", default=None)
   args = p.parse_args(argv)
-  if args.cpu_smoke:
+  if args.tiny:
     args.check_seq, args.seqs, args.heads, args.head_dim = 64, "64", 2, 16
     args.lm_seqs, args.lm_steps = "64", 1
   if args.implementation is None:
@@ -132,10 +133,10 @@ def ring_fn(mesh, impl, causal):
 def check(args, mesh, P):
   """Ring vs single device, each against float64 on the host."""
   B, T, N, K, H = 1, args.check_seq, 8, 2, args.head_dim
-  if args.cpu_smoke:
+  if args.tiny:
     N, K = 2, 1
   rng = np.random.default_rng(0)
-  dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
+  dtype = jnp.float32 if args.tiny else jnp.bfloat16
   q, k, v, do = inputs(rng, B, T, N, K, H, dtype)
   rows = []
   for causal in (True, False):
@@ -183,7 +184,7 @@ def per_device_bytes(mem: dict) -> int:
 def speed(args, mesh, P, deadline):
   rows = []
   B, N, H = 1, args.heads, args.head_dim
-  dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
+  dtype = jnp.float32 if args.tiny else jnp.bfloat16
   shard = NamedSharding(mesh, PartitionSpec(None, AXIS))
   for T in [int(s) for s in args.seqs.split(",")]:
     for causal in (True, False):
@@ -228,11 +229,11 @@ def speed(args, mesh, P, deadline):
 
 def lm(args, mesh, P, deadline):
   """The decoder LM at the first candidate length one device cannot hold."""
-  dtype = "float32" if args.cpu_smoke else "bfloat16"
+  dtype = "float32" if args.tiny else "bfloat16"
   size = (dict(num_layers=1, hidden=32, num_heads=2, head_dim=16, vocab_size=64)
-          if args.cpu_smoke else
+          if args.tiny else
           dict(num_layers=12, hidden=1024, num_heads=8, head_dim=128, vocab_size=32768))
-  batch = 1 if args.cpu_smoke else 4
+  batch = 1 if args.tiny else 4
   capacity = None
   stats = jax.devices()[0].memory_stats() or {}
   capacity = stats.get("bytes_limit")
@@ -266,7 +267,7 @@ def lm(args, mesh, P, deadline):
     need_1 = per_device_bytes(mem_1)
     row = dict(seq=T, batch=batch, single_device_bytes=need_1, capacity_bytes=capacity, **size)
     fits = capacity is None or need_1 < capacity
-    if fits and T != int(args.lm_seqs.split(",")[-1]) and not args.cpu_smoke:
+    if fits and T != int(args.lm_seqs.split(",")[-1]) and not args.tiny:
       rows.append(dict(row, status="fits on one device: next length"))
       print(f"lm T={T}: one device needs {need_1 / 2**30:.1f} GiB, fits", flush=True)
       continue
@@ -322,6 +323,8 @@ def main(argv=None):
   for part, fn in (("check", lambda: check(args, mesh, P)),
                    ("speed", lambda: speed(args, mesh, P, deadline)),
                    ("lm", lambda: lm(args, mesh, P, deadline))):
+    if part not in args.parts.split(","):
+      continue
     try:
       result[part] = fn()
     except Exception as e:  # one part failing must not lose the others

@@ -110,3 +110,16 @@ def test_mi50_preset_times_as_the_seed_did():
   assert (args.warmup, args.iters, args.lm_iters) == (10, 50, 50)
   assert args.dtype == args.lm_dtype == "float16"
   assert args.lm_impls == "standard,hip" and args.lm_layers == 12 and args.seq_max == 16384
+
+
+def test_ring_gpu_tiny(tmp_path):
+  # Two CPU devices stand in for two GPUs: the ring's forward and gradients within the
+  # 2x rule of the single device's error, and the speed/memory rows it records.
+  run_script("ring_gpu", tmp_path, "--parts", "check,speed", "--name", "ring_tiny")
+  res = load(tmp_path, "ring_tiny")
+  assert res["ring_size"] == 2
+  checks = res["check"]["rows"]
+  assert len(checks) == 8 and all(r["ok"] for r in checks), checks
+  speed = res["speed"]
+  assert speed and all(r["status"] == "ok" and r["scaling_efficiency"] > 0 for r in speed)
+  assert "lm" not in res
