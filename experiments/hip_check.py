@@ -13,7 +13,7 @@ kernels. The rule is the tests' rule: the max error of out, lse, dq, dk, dv agai
 `implementation="xla"` against the same truth, plus a floor of two roundings to the
 dtype and a few float32 roundings of a length-H dot product (times the largest value).
 
-Timing (the seed's method): 10 warm-up calls, 50 measured, median and p95 of the wall
+Timing: 10 warm-up calls, 50 measured, median and p95 of the wall
 time of the jitted call (forward; forward + backward), completion awaited. TF/s counts
 4*H flops per visible (query, key) pair for the forward and 10*H for the backward
 (five matmuls: S, dP, dV, dK, dQ; S is recomputed). The process exits non-zero on a

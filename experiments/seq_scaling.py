@@ -59,9 +59,9 @@ PRESETS = {
                  lm_batch=4, lm_seqs="1024,2048,4096,8192", lm_long_seqs="16384,32768",
                  lm_iters=3, lm_dtype="bfloat16", lm_impls="standard,jflash",
                  lm_cudnn_seqs="4096", lm_long_impls="jflash", lm_long_standard_seqs="32768"),
-    # A 16 GB MI50 (gfx906): the seed's memory table, standard against the HIP kernels,
-    # float16 (gfx906 has no bf16 arithmetic); 10 warm-up runs and 50 measured, as the
-    # seed measured. Run with --impls standard,hip --time-budget-s 600.
+    # A 16 GB MI50 (gfx906): standard attention against the HIP kernels up to 16K
+    # tokens, float16 (gfx906 has no bf16 arithmetic), 10 warm-up runs and 50 measured
+    # (median and p95). Run with --impls standard,hip --time-budget-s 600.
     "mi50": dict(batch=1, heads=8, kv_heads=8, head_dim=128, dtype="float16",
                  seq_start=1024, seq_max=16384, time_max_seq=16384, iters=50, warmup=10,
                  lm_layers=12, lm_hidden=1024, lm_heads=8, lm_head_dim=128, lm_vocab=32768,

@@ -176,6 +176,9 @@ def _scale(scale, H) -> float:
   return scale
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _window(local_window_size) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
@@ -187,6 +190,9 @@ def _window(local_window_size) -> tuple[int, int] | None:
               for x in w)):
     raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of "
                      f"ints >= 0, got {local_window_size!r}")
+  if max(w) > INT32_MAX:  # the kernels compare positions in int32
+    raise ValueError(f"local_window_size={local_window_size!r} must be <= {INT32_MAX} "
+                     "(any width >= the sequence length hides nothing)")
   return int(w[0]), int(w[1])
 
 
@@ -219,8 +225,10 @@ def _backend_configs(config, implementation) -> tuple[BackendConfig, ...]:
   if config is None:
     return ()
   configs = tuple(config) if isinstance(config, (tuple, list)) else (config,)
-  names = _names(implementation)
-  wanted = {get_implementation(n).config_type for n in names}
+  # With implementation=None the candidates depend on the device, so a config for any
+  # registered implementation is accepted (the same call must be valid everywhere); an
+  # explicit list must name the config's implementation.
+  names = available_implementations() if implementation is None else _names(implementation)
   seen = set()
   for c in configs:
     if not isinstance(c, BackendConfig):
@@ -229,7 +237,7 @@ def _backend_configs(config, implementation) -> tuple[BackendConfig, ...]:
     if c.backend in seen:
       raise ValueError(f"config: two configs for backend {c.backend!r}")
     seen.add(c.backend)
-    if type(c) not in wanted:
+    if c.backend not in names:
       raise ValueError(
           f"config={c!r} is for implementation {c.backend!r}, which is not among the "
           f"candidate implementations {names}")

@@ -218,6 +218,9 @@ def dkv_splits(group: int, programs: int, interpret: bool) -> int:
   float32 afterwards): the fewest that reach DKV_MIN_PROGRAMS, dividing the group."""
   forced = os.environ.get("JFLASH_DKV_SPLITS")
   if forced:
+    if not forced.isdigit() or int(forced) < 1:
+      raise ValueError(f"JFLASH_DKV_SPLITS={forced!r} must be a positive integer")
+    # A part count that does not divide the group takes the largest one that does.
     return math.gcd(int(forced), group)
   if interpret:
     return 1
@@ -272,8 +275,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bk = common.fit_block(blocks.block_k_dkv, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
   P = dkv_splits(G, Sp // bk * B * K, interp) if dkv_split is None else dkv_split
-  if G % P:
-    raise ValueError(f"dkv_split={P} must divide the group size {G} (= {N} // {K})")
+  if not isinstance(P, int) or P < 1 or G % P:
+    raise ValueError(f"dkv_split={P!r} must be a positive divisor of the group size {G} "
+                     f"(= {N} // {K})")
   Gp = G // P   # query heads per program
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=Gp, Tp=Tp, bk=bk)

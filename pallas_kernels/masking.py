@@ -198,8 +198,12 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
     classes = jnp.swapaxes(classes, 1, 2)
   r = ranges_from_classes(classes)
   n = r.shape[1]
+  # Lengths are clamped to [0, T] / [0, S]: traced lengths are not range-checked by the
+  # caller, and a key length past S would make the zero-filled tail of the last tile
+  # visible as phantom keys.
   lens = lambda x, full: jnp.broadcast_to(
-      (jnp.full((B,), full, jnp.int32) if x is None else x.astype(jnp.int32))[:, None, None],
+      (jnp.full((B,), full, jnp.int32) if x is None
+       else jnp.clip(x.astype(jnp.int32), 0, full))[:, None, None],
       (B, n, 1))
   zeros = jnp.zeros((B, n, 2), jnp.int32)
   return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), zeros], -1)

@@ -102,7 +102,7 @@ def test_train_lm_tiny_and_resume(tmp_path):
   assert row["history"]["step"] == list(range(1, 9))
 
 
-def test_mi50_preset_times_as_the_seed_did():
+def test_mi50_preset_times_ten_warm_up_and_fifty_measured_runs():
   # 10 warm-up runs and 50 measured, float16 (gfx906 has no bf16 arithmetic), the HIP
   # kernels against standard attention, a 12-layer LM up to 16K tokens.
   from experiments import seq_scaling

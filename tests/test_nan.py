@@ -94,4 +94,5 @@ def test_ring_merge_propagates_nan_and_keeps_empty_rows_zero():
   out, lse = np.asarray(out), np.asarray(lse)
   assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0, 0])
   assert (out[0, 1] == 0).all() and lse[0, 0, 1] == -np.inf
-  assert not np.isfinite(out[0, 2]).all()  # an inf lse is a blow-up, not a weight of 1
+  # an inf lse is a blow-up, not a weight of 1: the whole merged row is NaN
+  assert np.isnan(out[0, 2]).all() and not np.isfinite(lse[0, 0, 2])

@@ -127,19 +127,14 @@ def test_nnx_is_causal_option_matches_flax_causal_mask():
 
 
 @pytest.mark.parametrize("kind", ["causal", "padding"])
-def test_nnx_dense_mask_forwarded_or_refused(kind):
-  """A dense mask (nnx.make_causal_mask, or a [B, 1, T, S] padding mask) is forwarded
-  when jflash.attention takes `mask=`; otherwise it raises NotImplementedError instead
-  of being dropped."""
+def test_nnx_dense_mask_forwarded(kind):
+  """A dense mask (nnx.make_causal_mask, or a [B, 1, T, S] padding mask) reaches
+  jflash.attention's `mask=`."""
   x, ct = _x(SHAPE), _x(SHAPE, 1)
   mask = _mask(kind)
   mha = _nnx_mha(jnn.make_attention_fn())
-  if "mask" in jflash.api.OPTIONS:
-    flax32, ref64 = _flax_default_pair((("mask", kind),))
-    _compare(_nnx_out_and_grads(mha, x, ct, mask=mask), flax32, ref64)
-  else:
-    with pytest.raises(NotImplementedError, match="mask"):
-      mha(x, mask=mask)
+  flax32, ref64 = _flax_default_pair((("mask", kind),))
+  _compare(_nnx_out_and_grads(mha, x, ct, mask=mask), flax32, ref64)
 
 
 # -- linen.MultiHeadDotProductAttention --------------------------------------------------
@@ -177,28 +172,20 @@ def test_linen_drop_in_matches_flax(causal):
   _compare(got, *_linen_default_pair(causal))
 
 
-def test_linen_dense_mask_forwarded_or_refused():
+def test_linen_dense_mask_forwarded():
   x, ct = _x(SHAPE), _x(SHAPE, 1)
   mask = linen.make_causal_mask(x[..., 0])
-  if "mask" in jflash.api.OPTIONS:
-    got = _linen_out_and_grads(jnn.make_attention_fn(), x, ct, mask=mask)
-    _compare(got, *_linen_default_pair(True))
-  else:
-    with pytest.raises(NotImplementedError, match="mask"):
-      _linen_out_and_grads(jnn.make_attention_fn(), x, ct, mask=mask)
+  got = _linen_out_and_grads(jnn.make_attention_fn(), x, ct, mask=mask)
+  _compare(got, *_linen_default_pair(True))
 
 
 # -- what the adapter must refuse, and shapes it must accept ------------------------------
 
 @pytest.mark.parametrize("shape", [(2, 1, 9, 9), (9,)], ids=["B1TS", "S_broadcast"])
-def test_adapter_bias_forwarded_or_refused(shape):
+def test_adapter_bias_forwarded(shape):
   fn = jnn.make_attention_fn()
   q, k, v = _x((2, 9, 4, 16)), _x((2, 9, 2, 16), 1), _x((2, 9, 2, 16), 2)
   bias = _x(shape, 3)
-  if "bias" not in jflash.api.OPTIONS:
-    with pytest.raises(NotImplementedError, match="bias"):
-      fn(q, k, v, bias=bias)
-    return
   flax_fn = jax.jit(lambda q, k, v, b: nnx.dot_product_attention(q, k, v, bias=b))
   want32 = flax_fn(q, k, v, bias)
   with jax.enable_x64(True):
@@ -207,25 +194,20 @@ def test_adapter_bias_forwarded_or_refused(shape):
   assert_within_rule(got, want32, want64, "output with bias")
 
 
-def test_adapter_dropout_forwarded_or_refused():
+def test_adapter_dropout_forwarded_and_broadcast_refused():
   fn = jnn.make_attention_fn()
   q = _x((1, 8, 2, 16))
   key = jax.random.key(0)
-  if "dropout_rate" not in jflash.api.OPTIONS:
-    with pytest.raises(NotImplementedError, match="dropout"):
-      fn(q, q, q, dropout_rate=0.1, dropout_rng=key, broadcast_dropout=False)
-  else:
-    a = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=False)
-    b = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=False)
-    np.testing.assert_array_equal(a, b)          # a function of the key
-    assert not np.allclose(a, fn(q, q, q), atol=1e-3)
-  if "broadcast_dropout" not in jflash.api.OPTIONS:
-    # Flax's default shares one mask over batch and heads: a different distribution.
-    with pytest.raises(NotImplementedError, match="broadcast_dropout"):
-      fn(q, q, q, dropout_rate=0.1, dropout_rng=key)
-    mha = _nnx_mha(jnn.make_attention_fn(), dropout_rate=0.1)
-    with pytest.raises(NotImplementedError, match="dropout"):
-      mha(_x((1, 8, 32)), deterministic=False)
+  a = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=False)
+  b = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=False)
+  np.testing.assert_array_equal(a, b)          # a function of the key
+  assert not np.allclose(a, fn(q, q, q), atol=1e-3)
+  # Flax's default shares one mask over batch and heads: a different distribution.
+  with pytest.raises(NotImplementedError, match="broadcast_dropout"):
+    fn(q, q, q, dropout_rate=0.1, dropout_rng=key)
+  mha = _nnx_mha(jnn.make_attention_fn(), dropout_rate=0.1)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    mha(_x((1, 8, 32)), deterministic=False)
   # Dropout that is switched off is not a request for dropout.
   np.testing.assert_array_equal(
       fn(q, q, q, dropout_rate=0.1, deterministic=True), fn(q, q, q))

@@ -38,14 +38,18 @@ CASES = [
     ("p4-causal-contiguous-mha", 4, True, "contiguous", 4, 4, {}),
     ("p8-full-mqa", 8, False, "contiguous", 4, 1, {}),
     ("p8-causal-zigzag-gqa-lse", 8, True, "zigzag", 4, 2, {"return_residuals": True}),
-    # Every case runs under check_vma=True (sharded_ring_attention's default), so
-    # "xla_chunked" must type-check; this one runs a materialising implementation with
-    # no scan, so the ring's own code (switch branches, scan carries, custom_vjp) must.
+    # Every "xla_chunked" case runs under check_vma=True, so it must type-check; this
+    # one runs a materialising implementation with no scan, so the ring's own code
+    # (switch branches, scan carries, custom_vjp) must.
     ("p4-causal-zigzag-gqa-checkvma", 4, True, "zigzag", 4, 2,
      {"implementation": "dense_test", "check_vma": True}),
     # packed documents: the key ids travel round the ring with their K/V block
     ("p4-causal-zigzag-gqa-segments", 4, True, "zigzag", 4, 2, {"segments": True}),
     ("p8-full-mha-segments", 8, False, "zigzag", 4, 4, {"segments": True}),
+    # The GPU default: the Pallas kernels (interpreted here) under
+    # sharded_ring_attention's default check_vma.
+    ("p2-causal-zigzag-gqa-pallas", 2, True, "zigzag", 4, 2,
+     {"implementation": "pallas", "check_vma": None}),
 ]
 B, T, H = 2, 96, 24  # T = 96: local lengths 48/24/12, zigzag chunks 24/12/6
 
@@ -144,7 +148,7 @@ def _run_case(P, causal, layout, N, K, extra):
 
   extra = dict(extra)
   block_k = extra.pop("block_k", None)
-  check_vma = extra.pop("check_vma", True)  # the default of sharded_ring_attention
+  check_vma = extra.pop("check_vma", True)   # None: sharded_ring_attention's default
   residuals = extra.get("return_residuals", False)
   segments = extra.pop("segments", False)
   if block_k:
@@ -161,9 +165,10 @@ def _run_case(P, causal, layout, N, K, extra):
   scale = extra.get("scale", 1 / np.sqrt(H))
 
   mesh = parallel.make_mesh(P)
+  if check_vma is not None:
+    extra["check_vma"] = check_vma
   ring = parallel.sharded_ring_attention(mesh, "sp", is_causal=causal, layout=layout,
-                                         check_vma=check_vma, with_segment_ids=segments,
-                                         **extra)
+                                         with_segment_ids=segments, **extra)
   zz = layout == "zigzag"
   seg_args = () if ids is None else (jnp.asarray(ids),)
   seg_kw = {} if ids is None else {"segment_ids": jnp.asarray(ids)}
