@@ -1,0 +1,366 @@
+"""FlashAttention forward on Pallas Mosaic GPU for Hopper: (q, k, v) -> (out, lse).
+
+One program per (batch, head, block of 2 * block_q query rows) runs three warpgroups
+(FlashAttention-3, section 3.1, warp specialisation):
+
+- a producer warpgroup that only issues bulk tensor copies (TMA) of K and V tiles into
+  `stages` shared-memory slots, each slot guarded by a "loaded" barrier (completed by
+  the copy engine) and a "consumed" barrier (one arrival per consumer);
+- two consumer warpgroups, each owning block_q query rows (a warpgroup matrix product
+  has M = 64 rows per warpgroup), that compute S = Q K^T and O += P V with `wgmma` and
+  the online softmax in registers.
+
+The consumers are staggered by one "schedule" barrier of two arrivals (FlashAttention-3,
+section 3.1, ping-pong scheduling): while one warpgroup runs its softmax (exp2 on the
+multi-function unit) the other's matrix products own the tensor cores. The producer
+shrinks its register file (`setmaxnreg`) so the consumers can grow theirs.
+
+Which key tiles a block visits comes from the same per-tile schedule as the Triton
+kernels (`pallas_kernels.masking.build_ranges`, computed for the 2 * block_q rows the
+two consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
+Producer and consumers read the same row of that table, so every slot barrier
+completes exactly as often as it is waited on. Logits stay in base 2 with
+scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, padded_operands,
+                                    structured_keep)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HEAD_DIMS = (64, 128, 256)          # multiples of the 64-element (128-byte) swizzle row
+DTYPES = (jnp.bfloat16, jnp.float16)
+CONSUMERS = 2                       # consumer warpgroups per program
+SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+  """Tiles of the Mosaic GPU forward.
+
+  block_q: query rows per consumer warpgroup (a program owns 2 * block_q rows); a
+    multiple of 64, the M of one warpgroup matrix product.
+  block_k: key/value rows per pipeline slot (the N of S = Q K^T, <= 256).
+  stages: shared-memory slots of K and V in flight.
+  pv_in_place: rescale O and accumulate P V into it in place (True), or take P V
+    into a fresh accumulator and add (the interpreter has no in-place accumulator).
+  """
+
+  block_q: int = 64
+  block_k: int = 128
+  stages: int = 2
+  pv_in_place: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.block_q, int) or self.block_q % 64 or self.block_q <= 0:
+      raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
+    if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
+      raise ValueError(f"block_k={self.block_k!r} must be 64, 128, 192 or 256")
+    if not isinstance(self.stages, int) or self.stages < 2:
+      raise ValueError(f"stages={self.stages!r} must be an int >= 2")
+
+
+# Per head_dim, after the public Hopper references (JAX attention_mgpu, tokamax sm90):
+# key tiles of 128 with 2-3 slots at d <= 128, 64 at d = 256, where a 128-row K and V
+# slot pair alone would take 128 KiB of the 227 KiB.
+_TABLE = {64: MosaicBlocks(64, 128, 3), 128: MosaicBlocks(64, 128, 2),
+          256: MosaicBlocks(64, 64, 2)}
+
+
+def default_blocks(head_dim: int) -> MosaicBlocks:
+  if head_dim not in _TABLE:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
+  return _TABLE[head_dim]
+
+
+def smem_bytes(head_dim: int, itemsize: int, blocks: MosaicBlocks) -> int:
+  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows."""
+  q = CONSUMERS * blocks.block_q * head_dim * itemsize
+  kv = 2 * blocks.stages * blocks.block_k * head_dim * itemsize
+  return q + kv + CONSUMERS * blocks.block_q * 4
+
+
+def check_supported(q, k, v, blocks: MosaicBlocks | None = None):
+  """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
+  H = q.shape[-1]
+  if H not in HEAD_DIMS:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {H}")
+  if not any(q.dtype == d for d in DTYPES):
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports bfloat16 and float16, got {q.dtype}")
+  blocks = blocks or default_blocks(H)
+  need = smem_bytes(H, q.dtype.itemsize, blocks)
+  if need > SMEM_BYTES:
+    raise NotImplementedError(
+        f"{blocks} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+
+
+def _plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # imported where it is used
+  return plgpu
+
+
+def _load_vector(ref, layout, interpret):
+  """A 1-D slice of a GMEM ref in a register layout. The interpreter has no
+  `plgpu.load`; the plain read gives the same values there."""
+  if interpret:
+    return ref[...]
+  plgpu = _plgpu()
+  if "idx" in inspect.signature(plgpu.load).parameters and \
+      inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)     # jax 0.10: idx is positional
+  return plgpu.load(ref, layout=layout)
+
+
+def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
+            num_q_blocks, dtype, interpret, pv_in_place):
+  plgpu = _plgpu()
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+  r = dict(zip(names, refs))
+  qo_smem, k_smem, v_smem, lse_smem = r["qo_smem"], r["k_smem"], r["v_smem"], r["lse_smem"]
+  k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
+  k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
+  bq, bk, stages = blocks.block_q, blocks.block_k, blocks.stages
+  H = qo_smem.shape[-1]
+
+  i = lax.axis_index("q")
+  if opts.is_causal:   # causal work grows with the block index: launch the heaviest first
+    i = num_q_blocks - 1 - i
+  n, b = lax.axis_index("heads"), lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = (ranges[b, i, t] for t in range(4))
+  kv_len = ranges[b, i, 5]
+  slot_of = lambda j: lax.rem(j - lo, stages)
+  # Register layouts: the tile layout of the matrix-product accumulator and its rows
+  # and columns. The interpreter keeps plain arrays and has no layout casts.
+  if interpret:
+    cast = lambda x, layout: x
+    iota = lambda dim: lax.broadcasted_iota(jnp.int32, (bq, bk), dim)
+  else:
+    cast = plgpu.layout_cast
+    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
+
+  def schedule_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    row0 = i * (CONSUMERS * bq) + wg * bq
+    q_smem = qo_smem.at[wg]
+    plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
+    q_seg = None
+    if "q_seg" in r:
+      q_seg = _load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
+      q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+    plgpu.barrier_wait(q_loaded.at[wg])
+
+    m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+    l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
+    acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
+
+    @pl.when(hi > lo)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+
+    pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
+
+    def body(j, carry, masked):
+      acc, m_i, l_i = carry
+      slot = slot_of(j)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        schedule_turn()              # hand the tensor cores to the other consumer
+        return acc_ref[...]
+      if interpret:      # the interpreter's wgmma takes no transposed operand
+        s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+        schedule_turn()
+      else:
+        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+
+      c = scale * LOG2E              # base-2 logits are s * c
+      if opts.soft_cap is not None:
+        s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
+        c = LOG2E
+      if masked:
+        rows = row0 + iota(0)
+        cols = j * bk + iota(1)
+        kv_seg = None
+        if q_seg is not None:
+          kv_seg = _load_vector(r["kv_seg"].at[b, pl.ds(j * bk, bk)], col_layout, interpret)
+          kv_seg = lax.broadcast_in_dim(kv_seg, (bq, bk), [1])
+        keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+        s = jnp.where(keep, s, -jnp.inf)
+      # Online softmax in base 2 (FlashAttention-2, Algorithm 1). In a masked tile a
+      # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
+      # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
+      m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
+      plgpu.barrier_arrive(schedule)            # softmax done
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        @pl.when(j + 1 < hi)                    # wait for the next K under this product
+        def _():
+          plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
+
+      def pv_fresh(acc_ref):
+        pv(acc_ref)
+        return acc_ref[...]
+      if interpret:      # the interpreter's wgmma takes no register operand
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
+            p16, v_smem[slot], preferred_element_type=jnp.float32)
+        pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+      elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
+      else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+            pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_new, l_i
+
+    carry = (acc, m_i, l_i)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+    pl.when(wg == 0)(schedule_turn)   # balance the stagger
+
+    # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
+    # 0 and lse = -inf; a NaN sum stays NaN.
+    empty = l_i == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, l_i)
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, out)
+    lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+    q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
+    lse_smem.at[wg][...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(n, jnp.int32(group))
+
+    def load(j, slot):
+      rows = pl.ds(j * bk, bk)
+      plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+
+    for t in range(stages):             # fill the empty slots
+      pl.when(lo + t < hi)(functools.partial(load, lo + t, t))
+
+    def refill(j, _):
+      slot = slot_of(j)
+      rows = pl.ds(j * bk, bk)
+      plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.barrier_wait(v_consumed.at[slot])
+      plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+    lax.fori_loop(lo + stages, hi, refill, None)
+
+
+def compiler_params():
+  """approx_math: exp2/tanh from the multi-function unit. The lowering semantics are
+  pinned: jax 0.11 changed the default (Lane -> Warpgroup), and this kernel is written
+  with explicit register layouts (Lane)."""
+  plgpu = _plgpu()
+  return plgpu.CompilerParams(approx_math=True,
+                              lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
+                  ops: MaskOperands | None = None, blocks: MosaicBlocks | None = None,
+                  interpret: bool = False):
+  """q [B, T, N, H], k/v [B, S, K, H] (bf16/fp16) -> out [B, T, N, H], lse [B, N, T]
+  float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
+  treats every row < T as a query)."""
+  plgpu = _plgpu()
+  opts = opts or MaskOptions()
+  ops = ops or MaskOperands()
+  if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
+    raise NotImplementedError("the Mosaic GPU forward has no dense mask, bias or dropout")
+  check_supported(q, k, v, blocks)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  blocks = blocks or default_blocks(H)
+  bq, bk = blocks.block_q, blocks.block_k
+  rows_per_program = CONSUMERS * bq
+  Tp = -(-T // rows_per_program) * rows_per_program
+  Sp = -(-S // bk) * bk
+  # Whole tiles in memory: zero rows past T and S. Keys past S are masked in the last
+  # tile (its class is never FULL); query rows past T are computed and dropped. (The
+  # copy engine would fill loads past the end with zeros, but its stores do not clip.)
+  pad = lambda x, n: x if x.shape[1] == n else jnp.pad(
+      x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+  qp, kp, vp = pad(q, Tp), pad(k, Sp), pad(v, Sp)
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
+  seg = padded_operands(MaskOperands(q_segment_ids=ops.q_segment_ids,
+                                     kv_segment_ids=ops.kv_segment_ids), Tp, Sp)
+  in_names = ["q", "k", "v", "ranges", *seg]
+  stages = max(2, min(blocks.stages, Sp // bk))
+  blocks = dataclasses.replace(blocks, stages=stages)
+  num_q_blocks = Tp // rows_per_program
+  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  scratch = dict(
+      qo_smem=plgpu.SMEM((CONSUMERS, bq, H), q.dtype, **swizzled),
+      k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
+      v_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
+      lse_smem=plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+      k_loaded=plgpu.Barrier(num_barriers=stages),
+      v_loaded=plgpu.Barrier(num_barriers=stages),
+      q_loaded=plgpu.Barrier(num_barriers=CONSUMERS),
+      k_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+      v_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=CONSUMERS),
+  )
+  names = [*in_names, "out", "lse", *scratch]
+  kernel = functools.partial(
+      _kernel, names=names, opts=opts, scale=scale, blocks=blocks, group=N // K,
+      num_q_blocks=num_q_blocks, dtype=q.dtype, interpret=interpret,
+      pv_in_place=blocks.pv_in_place and not interpret)
+  extra = {}
+  if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    extra["interpret"] = InterpretGPUParams()
+  out, lse = plgpu.kernel(
+      kernel,
+      out_type=[jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype),
+                jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
+      scratch_types=list(scratch.values()),
+      grid=(num_q_blocks, N, B),
+      grid_names=("q", "heads", "batch"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      **extra,
+  )(qp, kp, vp, ranges, *seg.values())
+  return out[:, :T], lse[:, :, :T]
