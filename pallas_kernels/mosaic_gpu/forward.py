@@ -121,8 +121,9 @@ def _load_vector(ref, layout, interpret):
   plgpu = _plgpu()
   if "idx" in inspect.signature(plgpu.load).parameters and \
       inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-    return plgpu.load(ref, (), layout=layout)     # jax 0.10: idx is positional
-  return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, (), layout=layout, optimized=False)   # jax 0.10: idx positional
+  # optimized=False: plain loads from global memory (the optimized path reads SMEM only).
+  return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
@@ -286,6 +287,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
       plgpu.barrier_wait(v_consumed.at[slot])
       plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
     lax.fori_loop(lo + stages, hi, refill, None)
+
+    def drain(j, _):   # the last tiles' consumption: every barrier phase is observed
+      plgpu.barrier_wait(k_consumed.at[slot_of(j)])
+      plgpu.barrier_wait(v_consumed.at[slot_of(j)])
+    lax.fori_loop(jnp.maximum(lo, hi - stages), hi, drain, None)
 
 
 def compiler_params():
