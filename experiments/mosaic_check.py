@@ -236,10 +236,11 @@ def time_cells(rounds, sweep, peers, cells):
              "causal": causal, "tflops": {}}
       fns = dict(forward_fns(causal, peers))
       if sweep:
-        for blocks in sweep_blocks(H):
-          fns[f"{IMPL} {blocks.block_k}x{blocks.stages}" + ("" if blocks.pv_in_place else " fresh")] = \
-              jax.jit(lambda q, k, v, blocks=blocks: mf.flash_forward(
-                  q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), blocks=blocks)[0])
+        for config in sweep_configs(H):
+          label = (f"{IMPL} {config.block_k}x{config.stages}" + ("" if config.pv_in_place else
+                   " fresh") + ("" if config.semantics == "lane" else " warpgroup"))
+          fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
+              q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       for impl, fn in fns.items():
         try:
           row["tflops"][impl] = round(flops / bench(fn, (q, k, v), rounds) / 1e12, 1)
@@ -254,11 +255,18 @@ def time_cells(rounds, sweep, peers, cells):
   return rows
 
 
-def sweep_blocks(H):
-  from pallas_kernels.mosaic_gpu.forward import MosaicBlocks, SMEM_BYTES, smem_bytes
-  cands = [MosaicBlocks(64, bk, st, pv) for bk in (64, 128, 192) for st in (2, 3, 4)
-           for pv in (True, False)]
-  return [b for b in cands if smem_bytes(H, 2, b) <= SMEM_BYTES and (b.pv_in_place or H < 256)]
+def sweep_configs(H):
+  """The table's config for this head dim and its neighbours that fit shared memory:
+  other key tiles and depths, the fresh-accumulator P V, warpgroup lowering semantics."""
+  import dataclasses
+  from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, default_config, smem_bytes
+  base = default_config(H)
+  cands = [dataclasses.replace(base, block_k=bk, stages=st)
+           for bk in (64, 128, 192) for st in (2, 3, 4)]
+  cands += [dataclasses.replace(base, pv_in_place=False),
+            dataclasses.replace(base, semantics="warpgroup")]
+  return [c for c in dict.fromkeys(cands) if c != base and smem_bytes(H, 2, c) <= SMEM_BYTES
+          and (c.pv_in_place or H < 256)]   # two 64 x 256 float32 accumulators spill
 
 
 def main(argv=None):

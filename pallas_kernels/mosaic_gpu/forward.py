@@ -43,11 +43,12 @@ HEAD_DIMS = (64, 128, 256)          # multiples of the 64-element (128-byte) swi
 DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMERS = 2                       # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
+SEMANTICS = ("lane", "warpgroup")
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-  """Tiles of the Mosaic GPU forward.
+class MosaicConfig:
+  """Tiles and compile options of the Mosaic GPU forward.
 
   block_q: query rows per consumer warpgroup (a program owns 2 * block_q rows); a
     multiple of 64, the M of one warpgroup matrix product.
@@ -55,14 +56,20 @@ class MosaicBlocks:
   stages: shared-memory slots of K and V in flight.
   pv_in_place: rescale O and accumulate P V into it in place (True), or take P V
     into a fresh accumulator and add (the interpreter has no in-place accumulator).
+  semantics: Mosaic GPU's lowering semantics, pinned because jax 0.11 changed the
+    default from "lane" (explicit register layouts, as this kernel is written) to
+    "warpgroup" (layouts inferred).
   """
 
   block_q: int = 64
   block_k: int = 128
   stages: int = 2
   pv_in_place: bool = True
+  semantics: str = "lane"
 
   def __post_init__(self):
+    if self.semantics not in SEMANTICS:
+      raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     if not isinstance(self.block_q, int) or self.block_q % 64 or self.block_q <= 0:
       raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
     if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
@@ -74,25 +81,25 @@ class MosaicBlocks:
 # Per head_dim, after the public Hopper references (JAX attention_mgpu, tokamax sm90):
 # key tiles of 128 with 2-3 slots at d <= 128, 64 at d = 256, where a 128-row K and V
 # slot pair alone would take 128 KiB of the 227 KiB.
-_TABLE = {64: MosaicBlocks(64, 128, 3), 128: MosaicBlocks(64, 128, 2),
-          256: MosaicBlocks(64, 64, 2)}
+_TABLE = {64: MosaicConfig(64, 128, 3), 128: MosaicConfig(64, 128, 2),
+          256: MosaicConfig(64, 64, 2)}
 
 
-def default_blocks(head_dim: int) -> MosaicBlocks:
+def default_config(head_dim: int) -> MosaicConfig:
   if head_dim not in _TABLE:
     raise NotImplementedError(
         f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
   return _TABLE[head_dim]
 
 
-def smem_bytes(head_dim: int, itemsize: int, blocks: MosaicBlocks) -> int:
+def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
   """Shared memory of one program: Q (reused for O), the K/V slots, lse rows."""
-  q = CONSUMERS * blocks.block_q * head_dim * itemsize
-  kv = 2 * blocks.stages * blocks.block_k * head_dim * itemsize
-  return q + kv + CONSUMERS * blocks.block_q * 4
+  q = CONSUMERS * config.block_q * head_dim * itemsize
+  kv = 2 * config.stages * config.block_k * head_dim * itemsize
+  return q + kv + CONSUMERS * config.block_q * 4
 
 
-def check_supported(q, k, v, blocks: MosaicBlocks | None = None):
+def check_supported(q, k, v, config: MosaicConfig | None = None):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   H = q.shape[-1]
   if H not in HEAD_DIMS:
@@ -101,11 +108,11 @@ def check_supported(q, k, v, blocks: MosaicBlocks | None = None):
   if not any(q.dtype == d for d in DTYPES):
     raise NotImplementedError(
         f"the Mosaic GPU forward supports bfloat16 and float16, got {q.dtype}")
-  blocks = blocks or default_blocks(H)
-  need = smem_bytes(H, q.dtype.itemsize, blocks)
+  config = config or default_config(H)
+  need = smem_bytes(H, q.dtype.itemsize, config)
   if need > SMEM_BYTES:
     raise NotImplementedError(
-        f"{blocks} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+        f"{config} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
 
 
 def _plgpu():
@@ -126,7 +133,7 @@ def _load_vector(ref, layout, interpret):
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
+def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
             num_q_blocks, dtype, interpret, pv_in_place):
   plgpu = _plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
@@ -135,7 +142,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
   qo_smem, k_smem, v_smem, lse_smem = r["qo_smem"], r["k_smem"], r["v_smem"], r["lse_smem"]
   k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
   k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
-  bq, bk, stages = blocks.block_q, blocks.block_k, blocks.stages
+  bq, bk, stages = config.block_q, config.block_k, config.stages
   H = qo_smem.shape[-1]
 
   i = lax.axis_index("q")
@@ -219,6 +226,10 @@ def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
       p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
       l_i = l_i * alpha + p.sum(axis=1)
       p16 = p.astype(dtype)
+      if pv_in_place:    # rescale O now, under the other consumer's products
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      # Keep the softmax on this side of the barriers (the references found the order
+      # matters for how the two consumers overlap).
       acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
       plgpu.barrier_arrive(schedule)            # softmax done
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -239,7 +250,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
             p16, v_smem[slot], preferred_element_type=jnp.float32)
         pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
       elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
             pv_fresh, plgpu.ACC((bq, H), jnp.float32))
@@ -294,17 +305,16 @@ def _kernel(*refs, names, opts: MaskOptions, scale, blocks: MosaicBlocks, group,
     lax.fori_loop(jnp.maximum(lo, hi - stages), hi, drain, None)
 
 
-def compiler_params():
-  """approx_math: exp2/tanh from the multi-function unit. The lowering semantics are
-  pinned: jax 0.11 changed the default (Lane -> Warpgroup), and this kernel is written
-  with explicit register layouts (Lane)."""
+def compiler_params(config: MosaicConfig):
+  """approx_math: exp2 and tanh from the multi-function unit's approximations."""
   plgpu = _plgpu()
-  return plgpu.CompilerParams(approx_math=True,
-                              lowering_semantics=plgpu.LoweringSemantics.Lane)
+  semantics = {"lane": plgpu.LoweringSemantics.Lane,
+               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
+  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
 
 
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
-                  ops: MaskOperands | None = None, blocks: MosaicBlocks | None = None,
+                  ops: MaskOperands | None = None, config: MosaicConfig | None = None,
                   interpret: bool = False):
   """q [B, T, N, H], k/v [B, S, K, H] (bf16/fp16) -> out [B, T, N, H], lse [B, N, T]
   float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
@@ -314,11 +324,11 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   ops = ops or MaskOperands()
   if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
     raise NotImplementedError("the Mosaic GPU forward has no dense mask, bias or dropout")
-  check_supported(q, k, v, blocks)
+  check_supported(q, k, v, config)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  blocks = blocks or default_blocks(H)
-  bq, bk = blocks.block_q, blocks.block_k
+  config = config or default_config(H)
+  bq, bk = config.block_q, config.block_k
   rows_per_program = CONSUMERS * bq
   Tp = -(-T // rows_per_program) * rows_per_program
   Sp = -(-S // bk) * bk
@@ -332,8 +342,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   seg = padded_operands(MaskOperands(q_segment_ids=ops.q_segment_ids,
                                      kv_segment_ids=ops.kv_segment_ids), Tp, Sp)
   in_names = ["q", "k", "v", "ranges", *seg]
-  stages = max(2, min(blocks.stages, Sp // bk))
-  blocks = dataclasses.replace(blocks, stages=stages)
+  stages = max(2, min(config.stages, Sp // bk))
+  config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   scratch = dict(
@@ -350,9 +360,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   )
   names = [*in_names, "out", "lse", *scratch]
   kernel = functools.partial(
-      _kernel, names=names, opts=opts, scale=scale, blocks=blocks, group=N // K,
+      _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
       num_q_blocks=num_q_blocks, dtype=q.dtype, interpret=interpret,
-      pv_in_place=blocks.pv_in_place and not interpret)
+      pv_in_place=config.pv_in_place and not interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -366,7 +376,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       grid_names=("q", "heads", "batch"),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=compiler_params(),
+      compiler_params=compiler_params(config),
       **extra,
   )(qp, kp, vp, ranges, *seg.values())
   return out[:, :T], lse[:, :, :T]
