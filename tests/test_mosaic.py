@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash import api, mosaic_impl
+from jflash import api, mosaic_impl, pallas_impl
+from jflash.masks import MaskArrays
 from pallas_kernels.masking import MaskOperands, MaskOptions
 from pallas_kernels.mosaic_gpu import forward as mf
 from tests.attention_test_base import floor, max_err, random_qkv
@@ -131,13 +132,15 @@ def test_default_tiles_fit_shared_memory():
 
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
 
-def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16):
+def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16,
+             num_sms=None):
   q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
   k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
 
   def f(q, k, v, *extra):
     ops = ops_fn(*extra) if ops_fn else None
-    return mf.flash_forward(q, k, v, scale=H ** -0.5, opts=opts, ops=ops, config=config)
+    return mf.flash_forward(q, k, v, scale=H ** -0.5, opts=opts, ops=ops, config=config,
+                            num_sms=num_sms)
   extra = []
   if ops_fn is not None:
     extra = [jax.ShapeDtypeStruct((2, T), jnp.int32), jax.ShapeDtypeStruct((2, S), jnp.int32),
@@ -169,6 +172,13 @@ def test_lowers_with_every_mask_path(H, dtype):
 def test_lowers_under_warpgroup_semantics(causal):
   config = mf.MosaicConfig(64, 128, 2, semantics="warpgroup")
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_persistent(causal):
+  config = mf.MosaicConfig(64, 128, 2, persistent=True)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config,
+                                  num_sms=132)
 
 
 def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
@@ -205,6 +215,20 @@ def test_interpreted_pipeline_mqa_causal_off_tile():
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=True)
   _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
+
+
+def test_interpreted_persistent_grid_carries_slots_across_items():
+  """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
+  slots, so slots and barrier phases run on from one item into the next; lengths make
+  the items' tile counts differ (batch 1 sees 40 keys: one tile)."""
+  B, T, S = 2, 130, 150
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
+  kv_len = jnp.asarray([150, 40], jnp.int32)
+  ops = pallas_impl._operands(q, k, MaskArrays(kv_lengths=kv_len))   # lengths + their schedule
+  config = mf.MosaicConfig(64, 64, 3, persistent=True)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, ops=ops, config=config, interpret=True,
+                              num_sms=3)
+  _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len)
 
 
 def test_interpreted_masks_through_the_adapter():

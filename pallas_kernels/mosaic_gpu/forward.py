@@ -59,6 +59,9 @@ class MosaicConfig:
   semantics: Mosaic GPU's lowering semantics, pinned because jax 0.11 changed the
     default from "lane" (explicit register layouts, as this kernel is written) to
     "warpgroup" (layouts inferred).
+  persistent: one program per multiprocessor looping over the (query block, head,
+    batch) items, so that one item's pipeline fill and output store overlap the
+    next item's loads, and no partial last wave is launched.
   """
 
   block_q: int = 64
@@ -66,6 +69,7 @@ class MosaicConfig:
   stages: int = 2
   pv_in_place: bool = True
   semantics: str = "lane"
+  persistent: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -134,7 +138,7 @@ def _load_vector(ref, layout, interpret):
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
-            num_q_blocks, dtype, interpret, pv_in_place):
+            num_q_blocks, num_heads, num_items, num_ctas, dtype, interpret, pv_in_place):
   plgpu = _plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -144,16 +148,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
   bq, bk, stages = config.block_q, config.block_k, config.stages
   H = qo_smem.shape[-1]
-
-  i = lax.axis_index("q")
-  if opts.is_causal:   # causal work grows with the block index: launch the heaviest first
-    i = num_q_blocks - 1 - i
-  n, b = lax.axis_index("heads"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
-  ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = (ranges[b, i, t] for t in range(4))
-  kv_len = ranges[b, i, 5]
-  slot_of = lambda j: lax.rem(j - lo, stages)
   # Register layouts: the tile layout of the matrix-product accumulator and its rows
   # and columns. The interpreter keeps plain arrays and has no layout casts.
   if interpret:
@@ -163,146 +158,189 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     cast = plgpu.layout_cast
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
+  def block_of(i):     # causal work grows with the block index: the heaviest go first
+    return num_q_blocks - 1 - i if opts.is_causal else i
+
+  def for_each_item(item):
+    """Runs `item((query block, head, batch), tiles)` over this program's work items;
+    `tiles` counts the key tiles the program has passed through its slots so far (None
+    for the first item), so every warpgroup derives the same slot and barrier phase for
+    each tile. Returns the count after the last item."""
+    if num_ctas is None:     # one item per program
+      coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
+      return item(coords, None)
+    cta = lax.axis_index("sm")  # persistent: items cta, cta + num_ctas, ...; query blocks fastest
+
+    def coords_of(w):
+      head_batch = lax.div(w, jnp.int32(num_q_blocks))
+      return (block_of(lax.rem(w, jnp.int32(num_q_blocks))),
+              lax.rem(head_batch, jnp.int32(num_heads)), lax.div(head_batch, jnp.int32(num_heads)))
+
+    def step(t, tiles):
+      return item(coords_of(cta + t * num_ctas), tiles)
+    first = item(coords_of(cta), None)
+    return lax.fori_loop(1, lax.div(num_items - cta + num_ctas - 1, num_ctas), step, first)
+
   def schedule_turn():
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
+  def tile_range(i, b):
+    ranges = r["ranges"]
+    return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
+
   @pl.when(wg < CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    row0 = i * (CONSUMERS * bq) + wg * bq
     q_smem = qo_smem.at[wg]
-    plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
-    q_seg = None
-    if "q_seg" in r:
-      q_seg = _load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
-      q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-    plgpu.barrier_wait(q_loaded.at[wg])
 
-    m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-    l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
-    acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
+    def item(coords, tiles):
+      i, n, b = coords
+      lo, full_lo, full_hi, hi, kv_len = tile_range(i, b)
+      passed = lambda j: j - lo if tiles is None else tiles + j - lo
+      slot_of = lambda j: lax.rem(passed(j), stages)
+      row0 = i * (CONSUMERS * bq) + wg * bq
+      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
+      q_seg = None
+      if "q_seg" in r:
+        q_seg = _load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
+        q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+      plgpu.barrier_wait(q_loaded.at[wg])
 
-    @pl.when(hi > lo)
-    def _():
-      plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+      m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+      l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
 
-    pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
 
-    def body(j, carry, masked):
-      acc, m_i, l_i = carry
-      slot = slot_of(j)
+      pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        schedule_turn()              # hand the tensor cores to the other consumer
-        return acc_ref[...]
-      if interpret:      # the interpreter's wgmma takes no transposed operand
-        s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-        schedule_turn()
-      else:
-        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
+      def body(j, carry, masked):
+        acc, m_i, l_i = carry
+        slot = slot_of(j)
 
-      c = scale * LOG2E              # base-2 logits are s * c
-      if opts.soft_cap is not None:
-        s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
-        c = LOG2E
-      if masked:
-        rows = row0 + iota(0)
-        cols = j * bk + iota(1)
-        kv_seg = None
-        if q_seg is not None:
-          kv_seg = _load_vector(r["kv_seg"].at[b, pl.ds(j * bk, bk)], col_layout, interpret)
-          kv_seg = lax.broadcast_in_dim(kv_seg, (bq, bk), [1])
-        keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
-        s = jnp.where(keep, s, -jnp.inf)
-      # Online softmax in base 2 (FlashAttention-2, Algorithm 1). In a masked tile a
-      # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
-      # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
-      m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
-      if pv_in_place:    # rescale O now, under the other consumer's products
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      # Keep the softmax on this side of the barriers (the references found the order
-      # matters for how the two consumers overlap).
-      acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
-      plgpu.barrier_arrive(schedule)            # softmax done
-      plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          schedule_turn()              # hand the tensor cores to the other consumer
+          return acc_ref[...]
+        if interpret:      # the interpreter's wgmma takes no transposed operand
+          s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+          schedule_turn()
+        else:
+          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        c = scale * LOG2E              # base-2 logits are s * c
+        if opts.soft_cap is not None:
+          s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
+          c = LOG2E
+        if masked:
+          rows = row0 + iota(0)
+          cols = j * bk + iota(1)
+          kv_seg = None
+          if q_seg is not None:
+            kv_seg = _load_vector(r["kv_seg"].at[b, pl.ds(j * bk, bk)], col_layout, interpret)
+            kv_seg = lax.broadcast_in_dim(kv_seg, (bq, bk), [1])
+          keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+          s = jnp.where(keep, s, -jnp.inf)
+        # Online softmax in base 2 (FlashAttention-2, Algorithm 1). In a masked tile a
+        # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
+        # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        if pv_in_place:    # rescale O now, under the other consumer's products
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # Keep the softmax on this side of the barriers (the references found the order
+        # matters for how the two consumers overlap).
+        acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
+        plgpu.barrier_arrive(schedule)            # softmax done
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
 
-        @pl.when(j + 1 < hi)                    # wait for the next K under this product
-        def _():
-          plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
+        def wait_next_k():                        # under this tile's P V product
+          pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
 
-      def pv_fresh(acc_ref):
-        pv(acc_ref)
-        return acc_ref[...]
-      if interpret:      # the interpreter's wgmma takes no register operand
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
-            p16, v_smem[slot], preferred_element_type=jnp.float32)
-        pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
-      elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-            pv_fresh, plgpu.ACC((bq, H), jnp.float32))
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc, m_new, l_i
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k()
 
-    carry = (acc, m_i, l_i)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-    pl.when(wg == 0)(schedule_turn)   # balance the stagger
+        def pv_fresh(acc_ref):
+          pv(acc_ref)
+          return acc_ref[...]
+        if interpret:      # the interpreter's wgmma takes no register operand
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
+              p16, v_smem[slot], preferred_element_type=jnp.float32)
+          wait_next_k()
+        elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+              pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_i
 
-    # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
-    # 0 and lse = -inf; a NaN sum stays NaN.
-    empty = l_i == 0.0
-    inv = 1.0 / jnp.where(empty, 1.0, l_i)
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, out)
-    lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
-    q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
-    lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+      pl.when(wg == 0)(schedule_turn)   # balance the stagger
+
+      # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
+      # 0 and lse = -inf; a NaN sum stays NaN.
+      empty = l_i == 0.0
+      inv = 1.0 / jnp.where(empty, 1.0, l_i)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, out)
+      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # Q's slot is free for the next item
+      return passed(hi)
+
+    for_each_item(item)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == CONSUMERS)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = lax.div(n, jnp.int32(group))
 
-    def load(j, slot):
-      rows = pl.ds(j * bk, bk)
-      plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+    def item(coords, tiles):
+      i, n, b = coords
+      lo, _, _, hi, _ = tile_range(i, b)
+      kv_head = lax.div(n, jnp.int32(group))
 
-    for t in range(stages):             # fill the empty slots
-      pl.when(lo + t < hi)(functools.partial(load, lo + t, t))
+      def load(j, _):
+        t = j - lo if tiles is None else tiles + j - lo   # tiles through the slots before it
+        slot = lax.rem(t, stages)
+        rows = pl.ds(j * bk, bk)
 
-    def refill(j, _):
-      slot = slot_of(j)
-      rows = pl.ds(j * bk, bk)
-      plgpu.barrier_wait(k_consumed.at[slot])
-      plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.barrier_wait(v_consumed.at[slot])
-      plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
-    lax.fori_loop(lo + stages, hi, refill, None)
+        @pl.when(t >= stages)            # the slot held tile t - stages: wait until used
+        def _():
+          plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
 
-    def drain(j, _):   # the last tiles' consumption: every barrier phase is observed
-      plgpu.barrier_wait(k_consumed.at[slot_of(j)])
-      plgpu.barrier_wait(v_consumed.at[slot_of(j)])
-    lax.fori_loop(jnp.maximum(lo, hi - stages), hi, drain, None)
+        @pl.when(t >= stages)
+        def _():
+          plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+      lax.fori_loop(lo, hi, load, None)
+      return hi - lo if tiles is None else tiles + hi - lo
+
+    total = for_each_item(item)
+
+    def drain(t, _):   # the last tiles' consumption: every barrier phase is observed
+      plgpu.barrier_wait(k_consumed.at[lax.rem(t, stages)])
+      plgpu.barrier_wait(v_consumed.at[lax.rem(t, stages)])
+    lax.fori_loop(jnp.maximum(0, total - stages), total, drain, None)
 
 
 def compiler_params(config: MosaicConfig):
@@ -315,10 +353,11 @@ def compiler_params(config: MosaicConfig):
 
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
                   ops: MaskOperands | None = None, config: MosaicConfig | None = None,
-                  interpret: bool = False):
+                  interpret: bool = False, num_sms: int | None = None):
   """q [B, T, N, H], k/v [B, S, K, H] (bf16/fp16) -> out [B, T, N, H], lse [B, N, T]
   float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
-  treats every row < T as a query)."""
+  treats every row < T as a query). `num_sms`: programs of the persistent grid (default:
+  the device's multiprocessors; 2 when interpreted)."""
   plgpu = _plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -359,10 +398,17 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       schedule=plgpu.Barrier(num_arrivals=CONSUMERS),
   )
   names = [*in_names, "out", "lse", *scratch]
+  num_items = num_q_blocks * N * B
+  grid, grid_names, num_ctas = (num_q_blocks, N, B), ("q", "heads", "batch"), None
+  if config.persistent:
+    if num_sms is None:
+      num_sms = 2 if interpret else jax.devices()[0].core_count
+    num_ctas = min(num_sms, num_items)
+    grid, grid_names = (num_ctas,), ("sm",)
   kernel = functools.partial(
       _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
-      num_q_blocks=num_q_blocks, dtype=q.dtype, interpret=interpret,
-      pv_in_place=config.pv_in_place and not interpret)
+      num_q_blocks=num_q_blocks, num_heads=N, num_items=num_items, num_ctas=num_ctas,
+      dtype=q.dtype, interpret=interpret, pv_in_place=config.pv_in_place and not interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -372,8 +418,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       out_type=[jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
       scratch_types=list(scratch.values()),
-      grid=(num_q_blocks, N, B),
-      grid_names=("q", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=compiler_params(config),
