@@ -238,7 +238,8 @@ def time_cells(rounds, sweep, peers, cells):
       if sweep:
         for config in sweep_configs(H):
           label = (f"{IMPL} {config.block_k}x{config.stages}" + ("" if config.pv_in_place else
-                   " fresh") + ("" if config.semantics == "lane" else " warpgroup"))
+                   " fresh") + ("" if config.semantics == "lane" else " warpgroup")
+                   + (" persistent" if config.persistent else ""))
           fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
               q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       for impl, fn in fns.items():
@@ -257,14 +258,16 @@ def time_cells(rounds, sweep, peers, cells):
 
 def sweep_configs(H):
   """The table's config for this head dim and its neighbours that fit shared memory:
-  other key tiles and depths, the fresh-accumulator P V, warpgroup lowering semantics."""
+  other key tiles and depths, the fresh-accumulator P V, warpgroup lowering semantics,
+  the persistent grid."""
   import dataclasses
   from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, default_config, smem_bytes
   base = default_config(H)
   cands = [dataclasses.replace(base, block_k=bk, stages=st)
            for bk in (64, 128, 192) for st in (2, 3, 4)]
   cands += [dataclasses.replace(base, pv_in_place=False),
-            dataclasses.replace(base, semantics="warpgroup")]
+            dataclasses.replace(base, semantics="warpgroup"),
+            dataclasses.replace(base, persistent=True)]
   return [c for c in dict.fromkeys(cands) if c != base and smem_bytes(H, 2, c) <= SMEM_BYTES
           and (c.pv_in_place or H < 256)]   # two 64 x 256 float32 accumulators spill
 
