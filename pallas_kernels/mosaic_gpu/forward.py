@@ -1,6 +1,7 @@
 """FlashAttention forward on Pallas Mosaic GPU for Hopper: (q, k, v) -> (out, lse).
 
-One program per (batch, head, block of 2 * block_q query rows) runs three warpgroups
+One program per work item (batch, head, block of 2 * block_q query rows), or with
+`persistent` one per multiprocessor looping over the items, runs three warpgroups
 (FlashAttention-3, section 3.1, warp specialisation):
 
 - a producer warpgroup that only issues bulk tensor copies (TMA) of K and V tiles into
