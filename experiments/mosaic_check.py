@@ -33,6 +33,15 @@ from experiments.common import block, write_result
 IMPL = "mosaic_gpu"
 
 
+def floor(dtype, ref, head_dim):
+  """The rule's floor for results the plain implementation gets (nearly) exactly: two
+  roundings to the output dtype plus a few float32 roundings of a length-H dot product
+  (the test suite's floor)."""
+  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
+  top = float(np.abs(ref).max()) if np.size(ref) else 0.0
+  return (2 * eps_out + 4 * eps_acc * math.sqrt(head_dim)) * max(1.0, top)
+
+
 def max_err(x, ref, where=None):
   x = np.asarray(x, np.float64)
   d = np.abs(x - ref)
@@ -105,12 +114,11 @@ def check_case(name, shape, dtype, kw, seed):
     r_out, r_lse = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)),
                                           **ref_kw)
     H = shape[-1]
-    eps = float(jnp.finfo(dtype).eps)
     finite = np.isfinite(r_lse)
     out_err, out_plain = max_err(out, r_out), max_err(p_out, r_out)
     lse_err, lse_plain = (max_err(lse, r_lse, finite), max_err(p_lse, r_lse, finite))
-    out_bound = 2 * out_plain + 4 * eps * math.sqrt(H) * max(1.0, float(np.abs(r_out).max()))
-    lse_bound = 2 * lse_plain + 4 * eps * max(1.0, float(np.abs(r_lse[finite]).max(initial=0)))
+    out_bound = 2 * out_plain + floor(dtype, r_out, H)
+    lse_bound = 2 * lse_plain + floor(jnp.float32, r_lse[finite], H)
     lse_np = np.asarray(lse)
     empty_rows = ~finite                       # [B, N, T] rows that see no key
     empty_out_zero = bool(np.all(np.asarray(out, np.float64).transpose(0, 2, 1, 3)[empty_rows] == 0))
@@ -142,13 +150,12 @@ def check_gradient(seed=7):
       return vjp(do)
     got = jax.jit(lambda q, k, v: grads(IMPL))(q, k, v)
     plain = jax.jit(lambda q, k, v: grads("xla"))(q, k, v)
-    ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v, )), is_causal=True,
+    ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), is_causal=True,
                                  dout=np.asarray(do, np.float64))[2:5]
-    eps = float(jnp.finfo(dtype).eps)
     row["ok"] = True
     for n, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
       err, perr = max_err(g, t), max_err(p, t)
-      bound = 2 * perr + 4 * eps * math.sqrt(128) * max(1.0, float(np.abs(t).max()))
+      bound = 2 * perr + floor(dtype, t, 128)
       row[n] = {"err": err, "plain_err": perr, "bound": bound}
       row["ok"] &= bool(err <= bound)
   except Exception as e:
