@@ -20,13 +20,18 @@ def device_capability(device=None) -> tuple[str, str | None]:
   return device.platform, str(getattr(device, "compute_capability", None))
 
 
+def is_hopper(capability: str | None) -> bool:
+  """Compute capability 9.x: the wgmma, TMA and setmaxnreg instructions this kernel uses."""
+  return capability is not None and capability.startswith("9.")
+
+
 def check_call(q, k, v, cfg, extras=None, *, platform: str, capability: str | None):
   """Raises NotImplementedError naming what this implementation lacks for the call."""
   if platform != "gpu" or capability is None:
     raise NotImplementedError(
         f"mosaic_gpu needs a CUDA GPU of compute capability 9.x (Hopper); the default "
         f"device is {platform}")
-  if not capability.startswith("9."):
+  if not is_hopper(capability):
     raise NotImplementedError(
         f"mosaic_gpu needs compute capability 9.x (Hopper), the GPU has {capability}")
   _fwd.check_supported(q, k, v)

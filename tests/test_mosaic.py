@@ -107,7 +107,8 @@ def test_falls_back_to_the_next_implementation():
     ("8.0", ("pallas", "xla_chunked")),
 ])
 def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, order):
-  device = types.SimpleNamespace(platform="gpu", compute_capability=capability)
+  device = types.SimpleNamespace(platform="gpu", compute_capability=capability,
+                                 client=types.SimpleNamespace(platform_version="cuda 13.0"))
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "devices", lambda *a: [device])
   assert api.default_implementation() == order
@@ -270,6 +271,13 @@ def test_interpreted_gradient_through_the_triton_backward():
   for name, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
     err, err_plain = max_err(g, t), max_err(p, t)
     assert err <= 2 * err_plain + floor(q.dtype, t, 64), (name, err, err_plain)
+
+
+def test_interpreted_negative_scale():
+  """The row max is taken after the scale when the scale is not positive."""
+  q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=6)[:3]
+  out, lse = mf.flash_forward(q, k, v, scale=-0.2, interpret=True)
+  _check_against_reference(q, k, v, out, lse, scale=-0.2)
 
 
 def test_interpreted_nan_reaches_only_its_row():

@@ -233,9 +233,14 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
 
-        c = scale * LOG2E              # base-2 logits are s * c
+        # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft
+        # cap or a scale <= 0 is applied to s first.
+        c = scale * LOG2E
         if opts.soft_cap is not None:
           s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
+          c = LOG2E
+        elif not c > 0:
+          s = s * scale
           c = LOG2E
         if masked:
           rows = row0 + iota(0)
