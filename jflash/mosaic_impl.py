@@ -30,7 +30,7 @@ def check_call(q, k, v, cfg, extras=None, *, platform: str, capability: str | No
   if platform != "gpu" or capability is None:
     raise NotImplementedError(
         f"mosaic_gpu needs a CUDA GPU of compute capability 9.x (Hopper); the default "
-        f"device is {platform}")
+        f"device is {platform}" + (" but not CUDA" if platform == "gpu" else ""))
   if not is_hopper(capability):
     raise NotImplementedError(
         f"mosaic_gpu needs compute capability 9.x (Hopper), the GPU has {capability}")
@@ -45,7 +45,8 @@ def check_call(q, k, v, cfg, extras=None, *, platform: str, capability: str | No
 
 
 def supports(q, k, v, cfg, extras=None):
-  check_call(q, k, v, cfg, extras, **dict(zip(("platform", "capability"), device_capability())))
+  platform, capability = device_capability()
+  check_call(q, k, v, cfg, extras, platform=platform, capability=capability)
 
 
 def forward(q, k, v, cfg, extras=None):
