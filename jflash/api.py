@@ -93,6 +93,9 @@ def get_implementation(name: str) -> Implementation:
 def default_implementation() -> tuple[str, ...]:
   """The best implementation for the default backend, then its fallbacks."""
   if jax.default_backend() == "gpu":
+    from jflash.mosaic_impl import device_capability, is_hopper
+    if is_hopper(device_capability()[1]):
+      return ("mosaic_gpu", "pallas", "xla_chunked")   # Hopper: wgmma + TMA kernels
     return ("pallas", "xla_chunked")
   return ("xla_chunked",)
 
