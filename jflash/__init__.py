@@ -7,7 +7,7 @@ from jflash.api import (
     default_implementation,
     prepare,
 )
-from jflash.config import BackendConfig, ChunkedConfig, HipConfig, PallasConfig
+from jflash.config import BackendConfig, ChunkedConfig, HipConfig, MosaicGPUConfig, PallasConfig
 from jflash.masks import Masks
 from jflash.reference import attention_numpy, attention_tiled_numpy, attention_xla
 
@@ -16,6 +16,7 @@ __all__ = [
     "BackendConfig",
     "ChunkedConfig",
     "HipConfig",
+    "MosaicGPUConfig",
     "Masks",
     "PallasConfig",
     "attention",

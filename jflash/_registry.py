@@ -26,6 +26,13 @@ def _pallas():
                         config_type=config.PallasConfig)
 
 
+def _mosaic_gpu():
+  from jflash import mosaic_impl
+  return Implementation("mosaic_gpu", forward=mosaic_impl.forward,
+                        backward=mosaic_impl.backward, supports=mosaic_impl.supports,
+                        config_type=config.MosaicGPUConfig)
+
+
 def _hip():
   from jflash import hip_impl
   return Implementation("hip", forward=hip_impl.forward, backward=hip_impl.backward,
@@ -35,4 +42,5 @@ def _hip():
 register_implementation("xla", _xla)
 register_implementation("xla_chunked", _xla_chunked)
 register_implementation("pallas", _pallas)
+register_implementation("mosaic_gpu", _mosaic_gpu)
 register_implementation("hip", _hip)

@@ -99,6 +99,9 @@ def get_implementation(name: str) -> Implementation:
 def default_implementation() -> tuple[str, ...]:
   """The best implementation for the default backend, then its fallbacks."""
   if jax.default_backend() == "gpu":
+    from jflash.mosaic_impl import device_capability, is_hopper
+    if is_hopper(device_capability()[1]):
+      return ("mosaic_gpu", "pallas", "xla_chunked")   # Hopper: wgmma + TMA kernels
     return ("pallas", "xla_chunked")
   return ("xla_chunked",)
 
@@ -519,13 +522,15 @@ def attention(
       in the backward pass, never stored.
     dropout_rng: one PRNG key (`jax.random.key(seed)`, or the uint32[2] of
       `jax.random.PRNGKey(seed)`).
-    implementation: "pallas", "xla_chunked", "xla", "hip", a sequence of these
-      (the next is tried only when one raises `NotImplementedError`), or None for
-      the best on the default backend (GPU: pallas; CPU: xla_chunked).
-    config: a backend config (`jflash.PallasConfig`, `jflash.ChunkedConfig`,
-      `jflash.HipConfig`) or a sequence of them, one per backend; each tunes only its
-      own implementation, and one whose implementation is not a candidate of
-      `implementation=` is a ValueError. None: every implementation's defaults.
+    implementation: "mosaic_gpu", "pallas", "xla_chunked", "xla", "hip", a sequence
+      of these (the next is tried only when one raises `NotImplementedError`), or None
+      for the best on the default backend (Hopper GPU: mosaic_gpu, then pallas; other
+      GPUs: pallas; CPU: xla_chunked).
+    config: a backend config (`jflash.PallasConfig`, `jflash.MosaicGPUConfig`,
+      `jflash.ChunkedConfig`, `jflash.HipConfig`) or a sequence of them, one per
+      backend; each tunes only its own implementation ("mosaic_gpu" runs the Pallas
+      backward, which a PallasConfig tunes). With an explicit `implementation=`, a
+      config for none of its candidates is a ValueError. None: the defaults.
     return_residuals: also return `lse` `[B, N, T]` (natural log, float32; float64
       for float64 inputs; -inf for a row that sees no key).
 

@@ -112,3 +112,32 @@ class HipConfig(BackendConfig):
     if (self.block_q is None) != (self.block_k is None):
       raise ValueError(f"block_q={self.block_q!r} and block_k={self.block_k!r} must both "
                        "be set (one compiled tile) or both be None (the default tile)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGPUConfig(BackendConfig):
+  """"mosaic_gpu": tiles of the Hopper forward (its backward is the Pallas one, tuned by
+  a `PallasConfig`). Any field left None takes the per-head_dim default of
+  pallas_kernels/mosaic_gpu/forward.py; the kernel checks the combination (ValueError)
+  and whether it fits shared memory (NotImplementedError).
+
+  Attributes:
+    block_q: query rows per consumer warpgroup, a multiple of 64 (the M of one
+      warpgroup matrix product); a program owns two of them.
+    block_k: key/value rows per pipeline slot: 64, 128, 192 or 256.
+    stages: shared-memory slots of K/V in flight (>= 2).
+    persistent: one program per multiprocessor looping over the work items.
+  """
+
+  backend: ClassVar[str] = "mosaic_gpu"
+
+  block_q: int | None = None
+  block_k: int | None = None
+  stages: int | None = None
+  persistent: bool | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "stages"):
+      _check_positive(name, getattr(self, name))
+    if self.persistent is not None and not isinstance(self.persistent, bool):
+      raise ValueError(f"persistent={self.persistent!r} must be a bool or None")

@@ -1,0 +1,325 @@
+"""The Hopper forward ("mosaic_gpu") on the GPU: correctness against float64, dispatch,
+and forward time against cuDNN.
+
+Correctness: out and lse of `implementation="mosaic_gpu"` against the float64 NumPy
+reference, under the test suite's rule (error <= 2x the error of the plain same-dtype
+implementation, `implementation="xla"`, plus a few roundings of the dtype), over head
+dims 64/128/256, MHA/GQA/MQA, causal and not, T != S, T and S off the tile, window,
+segments, lengths (0 included) and fully masked rows; one gradient through the Triton
+backward; one NaN. Dispatch: which implementation `implementation=None` picks for a
+supported call. Timing: forward TFLOP/s of mosaic_gpu, cuDNN (jax.nn) and jflash's
+Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
+
+  python -m experiments.mosaic_check                 # everything, on an H100/H200
+  python -m experiments.mosaic_check --no-timing     # correctness and dispatch only
+  python -m experiments.mosaic_check --sweep         # also tiles of the kernel per cell
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from experiments.common import block, write_result
+
+IMPL = "mosaic_gpu"
+
+
+def floor(dtype, ref, head_dim):
+  """The rule's floor for results the plain implementation gets (nearly) exactly: two
+  roundings to the output dtype plus a few float32 roundings of a length-H dot product
+  (the test suite's floor)."""
+  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
+  top = float(np.abs(ref).max()) if np.size(ref) else 0.0
+  return (2 * eps_out + 4 * eps_acc * math.sqrt(head_dim)) * max(1.0, top)
+
+
+def max_err(x, ref, where=None):
+  x = np.asarray(x, np.float64)
+  d = np.abs(x - ref)
+  if where is not None:
+    d = d[where]
+  return float(d.max()) if d.size else 0.0
+
+
+# -- correctness -----------------------------------------------------------------------
+
+def cases():
+  """(name, shape (B, T, S, N, K, H), dtype, kwargs of jflash.attention)."""
+  bf16, f16 = jnp.bfloat16, jnp.float16
+  out = []
+  for H in (64, 128, 256):
+    for causal in (False, True):
+      out.append((f"mha d{H}" + (" causal" if causal else ""), (1, 1024, 1024, 4, 4, H), bf16,
+                  dict(is_causal=causal)))
+  out.append(("mha d128 fp16 causal", (1, 1024, 1024, 4, 4, 128), f16, dict(is_causal=True)))
+  out.append(("gqa 8/2 d128 causal, T=S=1000 off tile", (1, 1000, 1000, 8, 2, 128), bf16,
+              dict(is_causal=True)))
+  out.append(("mqa 4/1 d64, T=300 S=777", (1, 300, 777, 4, 1, 64), bf16, {}))
+  out.append(("mqa 4/1 d256 causal, T=200 S=700", (1, 200, 700, 4, 1, 256), bf16,
+              dict(is_causal=True)))
+  out.append(("gqa d128 causal, T=700 S=200 (rows past S see all)", (1, 700, 200, 4, 2, 128),
+              bf16, dict(is_causal=True)))
+  out.append(("window (128, 0) d128", (1, 1024, 1024, 4, 4, 128), bf16,
+              dict(local_window_size=(128, 0))))
+  out.append(("window (64, 32) d64 causal off tile", (1, 999, 999, 4, 2, 64), bf16,
+              dict(is_causal=True, local_window_size=(64, 32))))
+  seg = np.repeat(np.arange(5), 205)[None, :1024]
+  out.append(("segments + soft cap d128 causal", (1, 1024, 1024, 4, 4, 128), bf16,
+              dict(is_causal=True, segment_ids=jnp.asarray(seg, jnp.int32), logits_soft_cap=20.0)))
+  out.append(("lengths q [0, 700] kv [513, 1000] d128", (2, 1000, 1000, 4, 2, 128), bf16,
+              dict(query_seq_lengths=jnp.asarray([0, 700], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([513, 1000], jnp.int32))))
+  out.append(("kv length 0 d64 causal", (2, 256, 256, 2, 2, 64), bf16,
+              dict(is_causal=True, key_value_seq_lengths=jnp.asarray([0, 100], jnp.int32))))
+  # Query segment 9 has no key: its rows are fully masked (zeros, lse = -inf).
+  q_seg = np.concatenate([np.zeros(300), np.full(212, 9)])[None].astype(np.int32)
+  kv_seg = np.zeros((1, 640), np.int32)
+  out.append(("fully masked rows (segment with no key) d128", (1, 512, 640, 4, 4, 128), bf16,
+              dict(segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)))))
+  return out
+
+
+def _inputs(shape, dtype, seed):
+  B, T, S, N, K, H = shape
+  r = np.random.default_rng(seed)
+  q = r.standard_normal((B, T, N, H))
+  k = r.standard_normal((B, S, K, H))
+  v = r.standard_normal((B, S, K, H))
+  return [jnp.asarray(x, dtype) for x in (q, k, v)]
+
+
+def check_case(name, shape, dtype, kw, seed):
+  row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
+  try:
+    q, k, v = _inputs(shape, dtype, seed)
+    run = lambda impl: jax.jit(lambda q, k, v: jflash.attention(
+        q, k, v, implementation=impl, return_residuals=True, **kw))(q, k, v)
+    t0 = time.perf_counter()
+    out, lse = run(IMPL)
+    block(out)
+    row["first_call_s"] = round(time.perf_counter() - t0, 2)
+    p_out, p_lse = run("xla")
+    ref_kw = {a: (np.asarray(b) if hasattr(b, "shape") else
+                  tuple(np.asarray(x) for x in b) if a == "segment_ids" and isinstance(b, tuple)
+                  else b) for a, b in kw.items()}
+    r_out, r_lse = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                          **ref_kw)
+    H = shape[-1]
+    finite = np.isfinite(r_lse)
+    out_err, out_plain = max_err(out, r_out), max_err(p_out, r_out)
+    lse_err, lse_plain = (max_err(lse, r_lse, finite), max_err(p_lse, r_lse, finite))
+    out_bound = 2 * out_plain + floor(dtype, r_out, H)
+    lse_bound = 2 * lse_plain + floor(jnp.float32, r_lse[finite], H)
+    lse_np = np.asarray(lse)
+    empty_rows = ~finite                       # [B, N, T] rows that see no key
+    empty_out_zero = bool(np.all(np.asarray(out, np.float64).transpose(0, 2, 1, 3)[empty_rows] == 0))
+    row.update(
+        out={"err": out_err, "plain_err": out_plain, "bound": out_bound},
+        lse={"err": lse_err, "plain_err": lse_plain, "bound": lse_bound},
+        empty_rows=int(empty_rows.sum()),
+        empty_rows_zero_and_neg_inf=bool(empty_out_zero and np.all(lse_np[empty_rows] == -np.inf)),
+        ok=bool(np.all(np.isfinite(np.asarray(out, np.float32))) and out_err <= out_bound
+                and lse_err <= lse_bound and empty_out_zero
+                and np.all(lse_np[empty_rows] == -np.inf) and np.all(np.isfinite(lse_np[finite]))))
+  except Exception as e:  # recorded, so one failing case does not hide the others
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+    traceback.print_exc()
+  return row
+
+
+def check_gradient(seed=7):
+  """dq, dk, dv of mosaic_gpu (Triton backward on this forward's residuals), GQA causal."""
+  shape, dtype = (1, 512, 512, 4, 2, 128), jnp.bfloat16
+  row = {"name": "gradient (Triton backward) gqa d128 causal", "shape": shape, "ok": False}
+  try:
+    q, k, v = _inputs(shape, dtype, seed)
+    do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(q.shape), dtype)
+
+    def grads(impl):
+      f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=impl)
+      out, vjp = jax.vjp(f, q, k, v)
+      return vjp(do)
+    got = jax.jit(lambda q, k, v: grads(IMPL))(q, k, v)
+    plain = jax.jit(lambda q, k, v: grads("xla"))(q, k, v)
+    ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), is_causal=True,
+                                 dout=np.asarray(do, np.float64))[2:5]
+    row["ok"] = True
+    for n, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
+      err, perr = max_err(g, t), max_err(p, t)
+      bound = 2 * perr + floor(dtype, t, 128)
+      row[n] = {"err": err, "plain_err": perr, "bound": bound}
+      row["ok"] &= bool(err <= bound)
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+    traceback.print_exc()
+  return row
+
+
+def check_nan():
+  """A NaN in one visible query row reaches that row's output and no other row's."""
+  row = {"name": "NaN in one query row", "ok": False}
+  try:
+    q, k, v = _inputs((1, 256, 256, 2, 2, 64), jnp.bfloat16, 3)
+    q = q.at[0, 70, 1, 5].set(jnp.nan)
+    out = np.asarray(jax.jit(lambda q, k, v: jflash.attention(
+        q, k, v, implementation=IMPL))(q, k, v), np.float32)
+    bad = ~np.isfinite(out).all(-1)            # [B, T, N]
+    row.update(nan_rows=np.argwhere(bad).tolist(), ok=bool(bad[0, 70, 1] and bad.sum() == 1))
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+  return row
+
+
+def check_dispatch():
+  """The name `implementation=None` resolves to for a supported bf16 d=128 call."""
+  from jflash import api
+  q, k, v = _inputs((1, 256, 256, 2, 2, 128), jnp.bfloat16, 0)
+  cfg, masks = jflash.prepare(q, k, v, is_causal=True)
+  impl = api.resolve_implementation(None, lambda impl: impl.supports(q, k, v, cfg, masks))
+  return {"default_order": list(api.default_implementation()), "resolved": impl.name,
+          "ok": impl.name == IMPL,
+          "compute_capability": str(getattr(jax.devices()[0], "compute_capability", None))}
+
+
+# -- timing ------------------------------------------------------------------------------
+
+CELLS = [  # (name, B, S, N, H)
+    ("16K d128", 1, 16384, 16, 128),
+    ("4K d64", 4, 4096, 32, 64),
+    ("4K d256", 4, 4096, 8, 256),
+]
+
+
+def bench(fn, args, rounds, min_s=0.2):
+  """Median over `rounds` of the mean time of n back-to-back calls (n so a round takes
+  about `min_s`), after two warm-ups."""
+  for _ in range(2):
+    block(fn(*args))
+  t0 = time.perf_counter()
+  block(fn(*args))
+  n = max(1, int(min_s / max(time.perf_counter() - t0, 1e-6)))
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(n):
+      y = fn(*args)
+    block(y)
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times)
+
+
+def forward_fns(causal, peers):
+  att = lambda impl: jax.jit(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=causal, implementation=impl))
+  fns = {IMPL: att(IMPL)}
+  if "cudnn" in peers:
+    fns["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"))
+  if "pallas" in peers:
+    fns["pallas"] = att("pallas")
+  return fns
+
+
+def time_cells(rounds, sweep, peers, cells):
+  from pallas_kernels.masking import MaskOptions
+  from pallas_kernels.mosaic_gpu import forward as mf
+  rows = []
+  for name, B, S, N, H in CELLS:
+    if cells and not any(c in name for c in cells):
+      continue
+    q, k, v = _inputs((B, S, S, N, N, H), jnp.bfloat16, 0)
+    for causal in (False, True):
+      flops = 4 * B * S * S * N * H / (2 if causal else 1)
+      row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "H": H,
+             "causal": causal, "tflops": {}}
+      fns = dict(forward_fns(causal, peers))
+      if sweep:
+        for config in sweep_configs(H):
+          label = (f"{IMPL} {config.block_k}x{config.stages}" + ("" if config.pv_in_place else
+                   " fresh") + ("" if config.semantics == "lane" else " warpgroup")
+                   + (" persistent" if config.persistent else ""))
+          fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
+              q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
+      for impl, fn in fns.items():
+        try:
+          row["tflops"][impl] = round(flops / bench(fn, (q, k, v), rounds) / 1e12, 1)
+        except Exception as e:
+          row["tflops"][impl] = None
+          row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
+      t = row["tflops"]
+      if t.get(IMPL) and t.get("cudnn"):
+        row["ratio_vs_cudnn"] = round(t[IMPL] / t["cudnn"], 3)
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
+def sweep_configs(H):
+  """The table's config for this head dim and its neighbours that fit shared memory:
+  other key tiles and depths, the fresh-accumulator P V, warpgroup lowering semantics,
+  the persistent grid."""
+  import dataclasses
+  from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, default_config, smem_bytes
+  base = default_config(H)
+  cands = [dataclasses.replace(base, block_k=bk, stages=st)
+           for bk in (64, 128, 192) for st in (2, 3, 4)]
+  cands += [dataclasses.replace(base, pv_in_place=False),
+            dataclasses.replace(base, semantics="warpgroup"),
+            dataclasses.replace(base, persistent=True)]
+  return [c for c in dict.fromkeys(cands) if c != base and smem_bytes(H, 2, c) <= SMEM_BYTES
+          and (c.pv_in_place or H < 256)]   # two 64 x 256 float32 accumulators spill
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out-dir", default=None, help="where the JSON goes (default experiments/results)")
+  p.add_argument("--name", default="mosaic_check_h200")
+  p.add_argument("--no-check", action="store_true", help="skip the correctness cases")
+  p.add_argument("--no-timing", action="store_true", help="skip the timing")
+  p.add_argument("--sweep", action="store_true", help="time the kernel's tile variants too")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--only", default=None, help="run only the cases whose name contains this")
+  p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
+  p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
+  args = p.parse_args(argv)
+  result = {"dispatch": check_dispatch()}
+  print("dispatch", result["dispatch"], flush=True)
+  checks = []
+  if not args.no_check:
+    for i, (name, shape, dtype, kw) in enumerate(cases()):
+      if args.only and args.only not in name:
+        continue
+      checks.append(check_case(name, shape, dtype, kw, seed=i))
+      print({k: checks[-1].get(k) for k in ("name", "ok", "out", "lse", "empty_rows",
+                                             "first_call_s", "error")}, flush=True)
+    for extra in (check_gradient(), check_nan()):
+      checks.append(extra)
+      print(extra, flush=True)
+  timing = [] if args.no_timing else time_cells(args.rounds, args.sweep, args.peers.split(","),
+                                                   [c for c in args.cells.split(",") if c])
+  path = write_result(args.name, vars(args), checks, extra={**result, "timing": timing},
+                      out_dir=args.out_dir)
+  bad = [c["name"] for c in checks if not c["ok"]]
+  print(f"\n{len(checks) - len(bad)}/{len(checks)} checks within the rule; failed: {bad}")
+  print(f"implementation=None -> {result['dispatch']['resolved']}")
+  if timing:
+    print(f"{'cell':<18}{IMPL:>12}{'cudnn':>10}{'pallas':>10}{'ratio':>8}")
+    for r in timing:
+      t = r["tflops"]
+      print(f"{r['cell']:<18}{t.get(IMPL)!s:>12}{t.get('cudnn')!s:>10}{t.get('pallas')!s:>10}"
+            f"{r.get('ratio_vs_cudnn')!s:>8}")
+  print(f"-> {path}")
+  return 1 if bad or not result["dispatch"]["ok"] else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,437 @@
+"""FlashAttention forward on Pallas Mosaic GPU for Hopper: (q, k, v) -> (out, lse).
+
+One program per work item (batch, head, block of 2 * block_q query rows), or with
+`persistent` one per multiprocessor looping over the items, runs three warpgroups
+(FlashAttention-3, section 3.1, warp specialisation):
+
+- a producer warpgroup that only issues bulk tensor copies (TMA) of K and V tiles into
+  `stages` shared-memory slots, each slot guarded by a "loaded" barrier (completed by
+  the copy engine) and a "consumed" barrier (one arrival per consumer);
+- two consumer warpgroups, each owning block_q query rows (a warpgroup matrix product
+  has M = 64 rows per warpgroup), that compute S = Q K^T and O += P V with `wgmma` and
+  the online softmax in registers.
+
+The consumers are staggered by one "schedule" barrier of two arrivals (FlashAttention-3,
+section 3.1, ping-pong scheduling): while one warpgroup runs its softmax (exp2 on the
+multi-function unit) the other's matrix products own the tensor cores. The producer
+shrinks its register file (`setmaxnreg`) so the consumers can grow theirs.
+
+Which key tiles a block visits comes from the same per-tile schedule as the Triton
+kernels (`pallas_kernels.masking.build_ranges`, computed for the 2 * block_q rows the
+two consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
+Producer and consumers read the same row of that table, so every slot barrier
+completes exactly as often as it is waited on. Logits stay in base 2 with
+scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
+                                    structured_keep)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HEAD_DIMS = (64, 128, 256)          # multiples of the 64-element (128-byte) swizzle row
+DTYPES = (jnp.bfloat16, jnp.float16)
+CONSUMERS = 2                       # consumer warpgroups per program
+SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
+SEMANTICS = ("lane", "warpgroup")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles and compile options of the Mosaic GPU forward.
+
+  block_q: query rows per consumer warpgroup (a program owns 2 * block_q rows); a
+    multiple of 64, the M of one warpgroup matrix product.
+  block_k: key/value rows per pipeline slot (the N of S = Q K^T, <= 256).
+  stages: shared-memory slots of K and V in flight.
+  pv_in_place: rescale O and accumulate P V into it in place (True), or take P V
+    into a fresh accumulator and add (the interpreter has no in-place accumulator).
+  semantics: Mosaic GPU's lowering semantics, pinned because jax 0.11 changed the
+    default from "lane" (explicit register layouts, as this kernel is written) to
+    "warpgroup" (layouts inferred).
+  persistent: one program per multiprocessor looping over the (query block, head,
+    batch) items, so that one item's pipeline fill and output store overlap the
+    next item's loads, and no partial last wave is launched.
+  """
+
+  block_q: int = 64
+  block_k: int = 128
+  stages: int = 2
+  pv_in_place: bool = True
+  semantics: str = "lane"
+  persistent: bool = False
+
+  def __post_init__(self):
+    if self.semantics not in SEMANTICS:
+      raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
+    if not isinstance(self.block_q, int) or self.block_q % 64 or self.block_q <= 0:
+      raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
+    if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
+      raise ValueError(f"block_k={self.block_k!r} must be 64, 128, 192 or 256")
+    if not isinstance(self.stages, int) or self.stages < 2:
+      raise ValueError(f"stages={self.stages!r} must be an int >= 2")
+
+
+# Per head_dim, after the public Hopper references (JAX attention_mgpu, tokamax sm90):
+# key tiles of 128 with 2-3 slots at d <= 128, 64 at d = 256, where a 128-row K and V
+# slot pair alone would take 128 KiB of the 227 KiB.
+_TABLE = {64: MosaicConfig(64, 128, 3), 128: MosaicConfig(64, 128, 2),
+          256: MosaicConfig(64, 64, 2)}
+
+
+def default_config(head_dim: int) -> MosaicConfig:
+  if head_dim not in _TABLE:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
+  return _TABLE[head_dim]
+
+
+def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
+  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows."""
+  q = CONSUMERS * config.block_q * head_dim * itemsize
+  kv = 2 * config.stages * config.block_k * head_dim * itemsize
+  return q + kv + CONSUMERS * config.block_q * 4
+
+
+def check_supported(q, k, v, config: MosaicConfig | None = None):
+  """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
+  H = q.shape[-1]
+  if H not in HEAD_DIMS:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {H}")
+  if not any(q.dtype == d for d in DTYPES):
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports bfloat16 and float16, got {q.dtype}")
+  config = config or default_config(H)
+  need = smem_bytes(H, q.dtype.itemsize, config)
+  if need > SMEM_BYTES:
+    raise NotImplementedError(
+        f"{config} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+
+
+def _plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # imported where it is used
+  return plgpu
+
+
+def _load_vector(ref, layout, interpret):
+  """A 1-D slice of a GMEM ref in a register layout. The interpreter has no
+  `plgpu.load`; the plain read gives the same values there."""
+  if interpret:
+    return ref[...]
+  plgpu = _plgpu()
+  if "idx" in inspect.signature(plgpu.load).parameters and \
+      inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=False)   # jax 0.10: idx positional
+  # optimized=False: plain loads from global memory (the optimized path reads SMEM only).
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
+            num_q_blocks, num_heads, num_items, num_ctas, dtype, interpret, pv_in_place):
+  plgpu = _plgpu()
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+  r = dict(zip(names, refs))
+  qo_smem, k_smem, v_smem, lse_smem = r["qo_smem"], r["k_smem"], r["v_smem"], r["lse_smem"]
+  k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
+  k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
+  bq, bk, stages = config.block_q, config.block_k, config.stages
+  H = qo_smem.shape[-1]
+  wg = lax.axis_index("wg")
+  # Register layouts: the tile layout of the matrix-product accumulator and its rows
+  # and columns. The interpreter keeps plain arrays and has no layout casts.
+  if interpret:
+    cast = lambda x, layout: x
+    iota = lambda dim: lax.broadcasted_iota(jnp.int32, (bq, bk), dim)
+  else:
+    cast = plgpu.layout_cast
+    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
+
+  def block_of(i):     # causal work grows with the block index: the heaviest go first
+    return num_q_blocks - 1 - i if opts.is_causal else i
+
+  def for_each_item(item):
+    """Runs `item((query block, head, batch), tiles)` over this program's work items;
+    `tiles` counts the key tiles the program has passed through its slots so far (None
+    for the first item), so every warpgroup derives the same slot and barrier phase for
+    each tile. Returns the count after the last item."""
+    if num_ctas is None:     # one item per program
+      coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
+      return item(coords, None)
+    cta = lax.axis_index("sm")  # persistent: items cta, cta + num_ctas, ...; query blocks fastest
+
+    def coords_of(w):
+      head_batch = lax.div(w, jnp.int32(num_q_blocks))
+      return (block_of(lax.rem(w, jnp.int32(num_q_blocks))),
+              lax.rem(head_batch, jnp.int32(num_heads)), lax.div(head_batch, jnp.int32(num_heads)))
+
+    def step(t, tiles):
+      return item(coords_of(cta + t * num_ctas), tiles)
+    first = item(coords_of(cta), None)
+    return lax.fori_loop(1, lax.div(num_items - cta + num_ctas - 1, num_ctas), step, first)
+
+  def schedule_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  def tile_range(i, b):
+    ranges = r["ranges"]
+    return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
+
+  @pl.when(wg < CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem = qo_smem.at[wg]
+
+    def item(coords, tiles):
+      i, n, b = coords
+      lo, full_lo, full_hi, hi, kv_len = tile_range(i, b)
+      passed = lambda j: j - lo if tiles is None else tiles + j - lo
+      slot_of = lambda j: lax.rem(passed(j), stages)
+      row0 = i * (CONSUMERS * bq) + wg * bq
+      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
+      q_seg = None
+      if "q_seg" in r:
+        q_seg = _load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
+        q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+      plgpu.barrier_wait(q_loaded.at[wg])
+
+      m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+      l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
+
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+
+      pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
+
+      def body(j, carry, masked):
+        acc, m_i, l_i = carry
+        slot = slot_of(j)
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          schedule_turn()              # hand the tensor cores to the other consumer
+          return acc_ref[...]
+        if interpret:      # the interpreter's wgmma takes no transposed operand
+          s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+          schedule_turn()
+        else:
+          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+
+        # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft
+        # cap or a scale <= 0 is applied to s first.
+        c = scale * LOG2E
+        if opts.soft_cap is not None:
+          s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
+          c = LOG2E
+        elif not c > 0:
+          s = s * scale
+          c = LOG2E
+        if masked:
+          rows = row0 + iota(0)
+          cols = j * bk + iota(1)
+          kv_seg = None
+          if q_seg is not None:
+            kv_seg = _load_vector(r["kv_seg"].at[b, pl.ds(j * bk, bk)], col_layout, interpret)
+            kv_seg = lax.broadcast_in_dim(kv_seg, (bq, bk), [1])
+          keep = structured_keep(rows, cols, opts, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+          s = jnp.where(keep, s, -jnp.inf)
+        # Online softmax in base 2 (FlashAttention-2, Algorithm 1). In a masked tile a
+        # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
+        # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        if pv_in_place:    # rescale O now, under the other consumer's products
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # Keep the softmax on this side of the barriers (the references found the order
+        # matters for how the two consumers overlap).
+        acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
+        plgpu.barrier_arrive(schedule)            # softmax done
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+
+        def wait_next_k():                        # under this tile's P V product
+          pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k()
+
+        def pv_fresh(acc_ref):
+          pv(acc_ref)
+          return acc_ref[...]
+        if interpret:      # the interpreter's wgmma takes no register operand
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
+              p16, v_smem[slot], preferred_element_type=jnp.float32)
+          wait_next_k()
+        elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+              pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+      pl.when(wg == 0)(schedule_turn)   # balance the stagger
+
+      # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
+      # 0 and lse = -inf; a NaN sum stays NaN.
+      empty = l_i == 0.0
+      inv = 1.0 / jnp.where(empty, 1.0, l_i)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, out)
+      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # Q's slot is free for the next item
+      return passed(hi)
+
+    for_each_item(item)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def item(coords, tiles):
+      i, n, b = coords
+      lo, _, _, hi, _ = tile_range(i, b)
+      kv_head = lax.div(n, jnp.int32(group))
+
+      def load(j, _):
+        t = j - lo if tiles is None else tiles + j - lo   # tiles through the slots before it
+        slot = lax.rem(t, stages)
+        rows = pl.ds(j * bk, bk)
+
+        @pl.when(t >= stages)            # the slot held tile t - stages: wait until used
+        def _():
+          plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
+
+        @pl.when(t >= stages)
+        def _():
+          plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+      lax.fori_loop(lo, hi, load, None)
+      return hi - lo if tiles is None else tiles + hi - lo
+
+    total = for_each_item(item)
+
+    def drain(t, _):   # the last tiles' consumption: every barrier phase is observed
+      plgpu.barrier_wait(k_consumed.at[lax.rem(t, stages)])
+      plgpu.barrier_wait(v_consumed.at[lax.rem(t, stages)])
+    lax.fori_loop(jnp.maximum(0, total - stages), total, drain, None)
+
+
+def compiler_params(config: MosaicConfig):
+  """approx_math: exp2 and tanh from the multi-function unit's approximations."""
+  plgpu = _plgpu()
+  semantics = {"lane": plgpu.LoweringSemantics.Lane,
+               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
+  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
+
+
+def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
+                  ops: MaskOperands | None = None, config: MosaicConfig | None = None,
+                  interpret: bool = False, num_sms: int | None = None):
+  """q [B, T, N, H], k/v [B, S, K, H] (bf16/fp16) -> out [B, T, N, H], lse [B, N, T]
+  float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
+  treats every row < T as a query). `num_sms`: programs of the persistent grid (default:
+  the device's multiprocessors; 2 when interpreted)."""
+  plgpu = _plgpu()
+  opts = opts or MaskOptions()
+  ops = ops or MaskOperands()
+  if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
+    raise NotImplementedError("the Mosaic GPU forward has no dense mask, bias or dropout")
+  check_supported(q, k, v, config)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  config = config or default_config(H)
+  bq, bk = config.block_q, config.block_k
+  rows_per_program = CONSUMERS * bq
+  Tp = -(-T // rows_per_program) * rows_per_program
+  Sp = -(-S // bk) * bk
+  # Whole tiles in memory: zero rows past T and S. Keys past S are masked in the last
+  # tile (its class is never FULL); query rows past T are computed and dropped. (The
+  # copy engine would fill loads past the end with zeros, but its stores do not clip.)
+  pad = lambda x, n: x if x.shape[1] == n else jnp.pad(
+      x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+  qp, kp, vp = pad(q, Tp), pad(k, Sp), pad(v, Sp)
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
+  seg = {}
+  if ops.q_segment_ids is not None:   # padded with ids that match nothing
+    pad_ids = lambda x, n, fill: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)
+    seg = {"q_seg": pad_ids(ops.q_segment_ids, Tp, FILL["q_seg"]),
+           "kv_seg": pad_ids(ops.kv_segment_ids, Sp, FILL["kv_seg"])}
+  in_names = ["q", "k", "v", "ranges", *seg]
+  stages = max(2, min(config.stages, Sp // bk))
+  config = dataclasses.replace(config, stages=stages)
+  num_q_blocks = Tp // rows_per_program
+  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  scratch = dict(
+      qo_smem=plgpu.SMEM((CONSUMERS, bq, H), q.dtype, **swizzled),
+      k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
+      v_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
+      lse_smem=plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+      k_loaded=plgpu.Barrier(num_barriers=stages),
+      v_loaded=plgpu.Barrier(num_barriers=stages),
+      q_loaded=plgpu.Barrier(num_barriers=CONSUMERS),
+      k_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+      v_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=CONSUMERS),
+  )
+  names = [*in_names, "out", "lse", *scratch]
+  num_items = num_q_blocks * N * B
+  grid, grid_names, num_ctas = (num_q_blocks, N, B), ("q", "heads", "batch"), None
+  if config.persistent:
+    if num_sms is None:
+      num_sms = 2 if interpret else jax.devices()[0].core_count
+    num_ctas = min(num_sms, num_items)
+    grid, grid_names = (num_ctas,), ("sm",)
+  kernel = functools.partial(
+      _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
+      num_q_blocks=num_q_blocks, num_heads=N, num_items=num_items, num_ctas=num_ctas,
+      dtype=q.dtype, interpret=interpret, pv_in_place=config.pv_in_place and not interpret)
+  extra = {}
+  if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    extra["interpret"] = InterpretGPUParams()
+  out, lse = plgpu.kernel(
+      kernel,
+      out_type=[jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype),
+                jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
+      scratch_types=list(scratch.values()),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(config),
+      **extra,
+  )(qp, kp, vp, ranges, *seg.values())
+  return out[:, :T], lse[:, :, :T]

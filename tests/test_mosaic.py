@@ -1,0 +1,291 @@
+"""The "mosaic_gpu" implementation (Hopper forward on Pallas Mosaic GPU) on a CPU.
+
+Three levels, all on the CI machine:
+- host side: which calls the implementation accepts and why it refuses the others,
+  dispatch and fallback, the Hopper default order, tile validation;
+- lowering: the kernel's Pallas program lowers to the Mosaic GPU dialect for CUDA
+  (cross-platform lowering; nothing runs), for every head dim and every mask path;
+- interpretation: the same kernel run by Mosaic GPU's own interpreter (simulated shared
+  memory, barriers, bulk copies and three warpgroups) against the float64 reference.
+  The interpreter has no in-register or transposed matrix-product operands and no layout
+  casts, so there the two products are plain dots; the schedule, the slot barriers, the
+  producer's refills, masks, tails and the normalisation are the kernel's own.
+"""
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import api, mosaic_impl
+from jflash.masks import Masks, kernel_records
+from pallas_kernels.masking import MaskOperands, MaskOptions
+from pallas_kernels.mosaic_gpu import forward as mf
+from tests.attention_test_base import floor, max_err, random_qkv
+
+
+def _prepared(q, k, v, **kw):
+  """(cfg, masks) of one call, as jflash.attention builds them."""
+  return jflash.prepare(q, k, v, **kw)
+
+
+def _qkv(H=64, dtype=jnp.bfloat16, T=16, S=16, N=2, K=1):
+  return random_qkv((1, T, S, N, K, H), dtype)[:3]
+
+
+# -- host side ----------------------------------------------------------------------------
+
+HOPPER = dict(platform="gpu", capability="9.0")
+
+
+def test_supported_call_on_hopper():
+  q, k, v = _qkv()
+  mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, is_causal=True, local_window_size=4,
+                                              logits_soft_cap=10.0), **HOPPER)
+
+
+@pytest.mark.parametrize("device, reason", [
+    (dict(platform="cpu", capability=None), "CUDA GPU"),
+    (dict(platform="gpu", capability=None), "CUDA GPU"),       # a ROCm GPU
+    (dict(platform="gpu", capability="8.0"), "has 8.0"),
+    (dict(platform="gpu", capability="10.0"), "has 10.0"),
+])
+def test_refuses_devices_other_than_hopper(device, reason):
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError, match=reason):
+    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v), **device)
+
+
+@pytest.mark.parametrize("H, dtype, reason", [
+    (96, jnp.bfloat16, "head_dim in"), (32, jnp.float16, "head_dim in"),
+    (64, jnp.float32, "bfloat16 and float16"),
+])
+def test_refuses_shapes_and_dtypes(H, dtype, reason):
+  q, k, v = _qkv(H, dtype)
+  with pytest.raises(NotImplementedError, match=reason):
+    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v), **HOPPER)
+
+
+def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
+  q, k, v = _qkv()
+  mask = jnp.ones((1, 1, 16, 16), bool)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu has no mask"):
+    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, mask=mask), **HOPPER)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu has no bias"):
+    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, bias=mask.astype(q.dtype)), **HOPPER)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, dropout_rate=0.1,
+                                                dropout_rng=jax.random.key(0)), **HOPPER)
+  lengths = _prepared(q, k, v, key_value_seq_lengths=jnp.array([3]))  # structured: accepted
+  mosaic_impl.check_call(q, k, v, *lengths, **HOPPER)
+  # Its own config over the per-head_dim default; one that overflows shared memory
+  # is refused (and a sequence of implementations moves on).
+  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(block_k=64, stages=3))
+  assert mosaic_impl.kernel_config(q, cfg) == mf.MosaicConfig(64, 64, 3)
+  q256, k256, v256 = _qkv(256)
+  big = _prepared(q256, k256, v256, config=jflash.MosaicGPUConfig(block_k=256, stages=4))
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    mosaic_impl.check_call(q256, k256, v256, *big, **HOPPER)
+  with pytest.raises(ValueError, match="stages=0"):
+    jflash.MosaicGPUConfig(stages=0)
+
+
+def test_registered_and_refused_on_cpu_with_the_reason():
+  assert "mosaic_gpu" in api.available_implementations()
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError, match="mosaic_gpu: .*compute capability 9.x"):
+    jflash.attention(q, k, v, implementation="mosaic_gpu")
+
+
+def test_falls_back_to_the_next_implementation():
+  q, k, v = _qkv()
+  got = jflash.attention(q, k, v, is_causal=True, implementation=("mosaic_gpu", "xla_chunked"))
+  want = jflash.attention(q, k, v, is_causal=True, implementation="xla_chunked")
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("capability, order", [
+    ("9.0", ("mosaic_gpu", "pallas", "xla_chunked")),
+    ("8.0", ("pallas", "xla_chunked")),
+])
+def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, order):
+  device = types.SimpleNamespace(platform="gpu", compute_capability=capability,
+                                 client=types.SimpleNamespace(platform_version="cuda 13.0"))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [device])
+  assert api.default_implementation() == order
+
+
+@pytest.mark.parametrize("kw, bad", [
+    (dict(block_q=32), "block_q=32"), (dict(block_k=320), "block_k=320"),
+    (dict(block_k=96), "block_k=96"), (dict(stages=1), "stages=1"),
+])
+def test_tile_validation(kw, bad):
+  with pytest.raises(ValueError, match=bad):
+    mf.MosaicConfig(**kw)
+
+
+def test_default_tiles_fit_shared_memory():
+  for H in mf.HEAD_DIMS:
+    assert mf.smem_bytes(H, 2, mf.default_config(H)) <= mf.SMEM_BYTES
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    q, k, v = _qkv(256)
+    mf.check_supported(q, k, v, mf.MosaicConfig(64, 256, 4))
+
+
+# -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
+
+def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16,
+             num_sms=None):
+  q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
+  k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
+
+  def f(q, k, v, *extra):
+    ops = ops_fn(*extra) if ops_fn else None
+    return mf.flash_forward(q, k, v, scale=H ** -0.5, opts=opts, ops=ops, config=config,
+                            num_sms=num_sms)
+  extra = []
+  if ops_fn is not None:
+    extra = [jax.ShapeDtypeStruct((2, T), jnp.int32), jax.ShapeDtypeStruct((2, S), jnp.int32),
+             jax.ShapeDtypeStruct((2,), jnp.int32)]
+  try:
+    return jax.jit(f).trace(q, k, k, *extra).lower(lowering_platforms=("cuda",)).as_text()
+  except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU bindings
+    pytest.skip(f"this jaxlib cannot lower Mosaic GPU kernels: {e}")
+
+
+def _segments_and_lengths(q_seg, kv_seg, kv_len):
+  return MaskOperands(q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_lengths=kv_len,
+                      schedule=None)
+
+
+@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_to_mosaic_gpu(H, causal):
+  assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal))
+
+
+@pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
+def test_lowers_with_every_mask_path(H, dtype):
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  assert "mosaic_gpu" in _lowered(H, opts, _segments_and_lengths, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_under_warpgroup_semantics(causal):
+  config = mf.MosaicConfig(64, 128, 2, semantics="warpgroup")
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_persistent(causal):
+  config = mf.MosaicConfig(64, 128, 2, persistent=True)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config,
+                                  num_sms=132)
+
+
+def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
+  config = mf.MosaicConfig(64, 64, 3, pv_in_place=False)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(), config=config)
+
+
+# -- the kernel under Mosaic GPU's interpreter ------------------------------------------------
+
+def _check_against_reference(q, k, v, out, lse, **kw):
+  ref_kw = {a: (tuple(np.asarray(x) for x in b) if isinstance(b, tuple) else
+                np.asarray(b) if hasattr(b, "shape") else b) for a, b in kw.items()}
+  r_out, r_lse = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), **ref_kw)
+  p_out, p_lse = jflash.attention(q, k, v, implementation="xla", return_residuals=True, **kw)
+  H = q.shape[-1]
+  err, plain = max_err(out, r_out), max_err(p_out, r_out)
+  assert err <= 2 * plain + floor(q.dtype, r_out, H), (err, plain)
+  live = np.isfinite(r_lse)
+  lse = np.asarray(lse)
+  np.testing.assert_array_equal(lse[~live], -np.inf)
+  l_err = max_err(lse[live], r_lse[live])
+  assert l_err <= 2 * max_err(np.asarray(p_lse)[live], r_lse[live]) + floor(
+      jnp.float32, r_lse[live], H) + 4 * float(jnp.finfo(q.dtype).eps), l_err
+  rows_out = np.asarray(out, np.float64).transpose(0, 2, 1, 3)      # [B, N, T, H]
+  np.testing.assert_array_equal(rows_out[~live], 0.0)
+  return int((~live).sum())
+
+
+def test_interpreted_pipeline_mqa_causal_off_tile():
+  """Two programs (T = 130 > 128 rows), the last one mostly padding; S = 200 in 64-key
+  tiles through 2 slots, so the producer refills slots behind the consumed barriers."""
+  q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=1)[:3]
+  config = mf.MosaicConfig(64, 64, 2)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
+                              config=config, interpret=True)
+  _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
+
+
+def test_interpreted_persistent_grid_carries_slots_across_items():
+  """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
+  slots, so slots and barrier phases run on from one item into the next; lengths make
+  the items' tile counts differ (batch 1 sees 40 keys: one tile)."""
+  B, T, S = 2, 130, 150
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
+  kv_len = jnp.asarray([150, 40], jnp.int32)
+  _, ops = kernel_records(Masks(kv_lengths=kv_len), B=B, T=T, S=S)   # lengths + their schedule
+  config = mf.MosaicConfig(64, 64, 3, persistent=True)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, ops=ops, config=config, interpret=True,
+                              num_sms=3)
+  _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len)
+
+
+def test_interpreted_masks_through_the_adapter():
+  """Window, segments (one query segment sees no key: empty rows), soft cap, key and
+  query lengths including 0, through jflash's adapter; T != S; fp16."""
+  B, T, S = 2, 100, 120
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)[:3]
+  q_seg = np.zeros((B, T), np.int32)
+  q_seg[:, 90:] = 7                                   # no key has segment 7
+  kv_seg = np.zeros((B, S), np.int32)
+  kv_seg[:, 60:] = 1
+  q_seg[:, 50:90] = 1
+  kw = dict(is_causal=True, local_window_size=(48, 0), logits_soft_cap=5.0,
+            segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)),
+            query_seq_lengths=jnp.asarray([100, 0], jnp.int32),
+            key_value_seq_lengths=jnp.asarray([70, 120], jnp.int32))
+  cfg, masks = _prepared(q, k, v, **kw)
+  qz, kz, vz = api._zero_padding(q, k, v, masks)
+  out, lse = mosaic_impl.forward(qz, kz, vz, cfg, masks)
+  empty = _check_against_reference(q, k, v, out, lse, **kw)
+  assert empty >= 10 + T                # segment 7 rows of batch 0 and all of batch 1
+
+
+def test_interpreted_gradient_through_the_triton_backward():
+  """The custom_vjp with this forward's residuals (out, lse in natural log [B, N, T])
+  feeding the Triton backward: gradients within the rule against the float64 closed form."""
+  q, k, v, do = random_qkv((1, 64, 80, 2, 1, 64), jnp.bfloat16, seed=5)
+  impl = api.get_implementation("mosaic_gpu")
+  cfg, masks = _prepared(q, k, v, is_causal=True)
+  got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
+  plain = jax.vjp(lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
+                                                   implementation="xla"), q, k, v)[1](do)
+  ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), is_causal=True,
+                               dout=np.asarray(do, np.float64))[2:5]
+  for name, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
+    err, err_plain = max_err(g, t), max_err(p, t)
+    assert err <= 2 * err_plain + floor(q.dtype, t, 64), (name, err, err_plain)
+
+
+def test_interpreted_negative_scale():
+  """The row max is taken after the scale when the scale is not positive."""
+  q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=6)[:3]
+  out, lse = mf.flash_forward(q, k, v, scale=-0.2, interpret=True)
+  _check_against_reference(q, k, v, out, lse, scale=-0.2)
+
+
+def test_interpreted_nan_reaches_only_its_row():
+  q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
+  q = q.at[0, 9, 0, 3].set(jnp.nan)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True)
+  bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
+  assert bad.tolist() == [t == 9 for t in range(64)]
+  assert np.isnan(np.asarray(lse)[0, 0, 9])
