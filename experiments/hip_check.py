@@ -38,6 +38,7 @@ import hip_ffi
 import jflash
 from experiments.common import attention_flops, block, device_tag, is_oom, write_result
 from hip_ffi import build
+from jflash.reference import error_floor
 
 # (B, T, S, N, K, H) of the correctness grid: awkward lengths, T != S both ways, GQA/MQA.
 SHAPES = [
@@ -97,11 +98,6 @@ def fwd_bwd(impl, kw):
   return jax.jit(run)
 
 
-def floor(dtype, ref, H):
-  eps, eps32 = float(jnp.finfo(dtype).eps), float(np.finfo(np.float32).eps)
-  return (2 * eps + 4 * eps32 * math.sqrt(H)) * max(1.0, float(np.abs(ref).max()))
-
-
 def rand(shape, dtype, seed, scale=1.0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, dtype)
 
@@ -124,7 +120,7 @@ def check_case(name, shape, dtype, seed, config=None, **kw):
         ok &= bool(np.array_equal(np.isneginf(g), hidden))
         g, p, r = g[~hidden], p[~hidden], r[~hidden]
       e, ep = float(np.abs(g - r).max(initial=0)), float(np.abs(p - r).max(initial=0))
-      fl = floor(jnp.float32 if what == "lse" else dtype, r, H)
+      fl = error_floor(jnp.float32 if what == "lse" else dtype, r, H)
       row[f"err_{what}"], row[f"err_{what}_plain"] = e, ep
       ok &= bool(np.isfinite(g).all() and e <= 2 * ep + fl)
     row["ok"] = ok

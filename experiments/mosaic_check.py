@@ -29,17 +29,9 @@ import numpy as np
 
 import jflash
 from experiments.common import block, write_result
+from jflash.reference import error_floor
 
 IMPL = "mosaic_gpu"
-
-
-def floor(dtype, ref, head_dim):
-  """The rule's floor for results the plain implementation gets (nearly) exactly: two
-  roundings to the output dtype plus a few float32 roundings of a length-H dot product
-  (the test suite's floor)."""
-  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
-  top = float(np.abs(ref).max()) if np.size(ref) else 0.0
-  return (2 * eps_out + 4 * eps_acc * math.sqrt(head_dim)) * max(1.0, top)
 
 
 def max_err(x, ref, where=None):
@@ -117,8 +109,8 @@ def check_case(name, shape, dtype, kw, seed):
     finite = np.isfinite(r_lse)
     out_err, out_plain = max_err(out, r_out), max_err(p_out, r_out)
     lse_err, lse_plain = (max_err(lse, r_lse, finite), max_err(p_lse, r_lse, finite))
-    out_bound = 2 * out_plain + floor(dtype, r_out, H)
-    lse_bound = 2 * lse_plain + floor(jnp.float32, r_lse[finite], H)
+    out_bound = 2 * out_plain + error_floor(dtype, r_out, H)
+    lse_bound = 2 * lse_plain + error_floor(jnp.float32, r_lse[finite], H)
     lse_np = np.asarray(lse)
     empty_rows = ~finite                       # [B, N, T] rows that see no key
     empty_out_zero = bool(np.all(np.asarray(out, np.float64).transpose(0, 2, 1, 3)[empty_rows] == 0))
@@ -155,7 +147,7 @@ def check_gradient(seed=7):
     row["ok"] = True
     for n, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
       err, perr = max_err(g, t), max_err(p, t)
-      bound = 2 * perr + floor(dtype, t, 128)
+      bound = 2 * perr + error_floor(dtype, t, 128)
       row[n] = {"err": err, "plain_err": perr, "bound": bound}
       row["ok"] &= bool(err <= bound)
   except Exception as e:

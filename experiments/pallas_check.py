@@ -28,10 +28,7 @@ import numpy as np
 
 import jflash
 from experiments.common import write_result
-
-
-def max_err(x, ref):
-  return float(np.max(np.abs(np.asarray(x, np.float64) - ref)))
+from jflash.reference import error_floor, max_err
 
 
 def check(seq, head_dim, dtype, causal, heads, extra, kv_heads=None):
@@ -68,17 +65,12 @@ def _check(seq, head_dim, dtype, causal, heads, kv_heads, extra):
     ref_extra["dropout_seed"] = int(jflash.masks.seed_from_key(extra["dropout_rng"]))
   ref = jflash.attention_numpy(qc, kc, vc, is_causal=causal, dout=doc, **ref_extra)
   ref = (ref[0], *ref[2:5])
-  # The test suite's floor (tests/attention_test_base.py): two roundings to the output
-  # dtype plus a few float32 roundings of a length-H dot product (accumulators are
-  # float32), for results the plain implementation gets almost exactly.
-  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
   row = {"seq": seq, "head_dim": head_dim, "heads": heads, "kv_heads": kv_heads,
          "dtype": jnp.dtype(dtype).name, "causal": causal, "options": sorted(extra),
          "seconds": None, "ok": True}
   for name, g, p, t in zip(("out", "dq", "dk", "dv"), got, plain, ref):
     err, err_plain = max_err(g, t), max_err(p, t)
-    floor = (2 * eps_out + 4 * eps_acc * np.sqrt(head_dim)) * max(1.0, float(np.abs(t).max()))
-    bound = 2 * err_plain + floor
+    bound = 2 * err_plain + error_floor(dtype, t, head_dim)   # the stricter dot-product floor
     ok = bool(np.all(np.isfinite(g)) and err <= bound)
     row[name] = {"err": err, "plain_err": err_plain, "bound": bound, "ok": ok}
     row["ok"] &= ok

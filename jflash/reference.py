@@ -15,6 +15,29 @@ def stat_dtype(dtype):
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
+# -- the accuracy rule ----------------------------------------------------------------
+# An implementation's error against the float64 truth must be at most twice the error of
+# the plain same-dtype implementation ("xla") against the same truth, plus this floor
+# for results the plain implementation gets (nearly) exactly.
+
+def max_err(x, ref) -> float:
+  """Largest absolute difference from a float64 truth (0 for empty arrays)."""
+  return float(np.max(np.abs(np.asarray(x, np.float64) - ref))) if np.size(ref) else 0.0
+
+
+def error_floor(dtype, ref, length: int) -> float:
+  """Two roundings to the output dtype plus a few float32 roundings of a sum of
+  `length` terms (accumulators are float32: that error grows like sqrt(length) eps),
+  relative to the result's size. `length` is the longest reduction behind the result:
+  H for a dot product, S for out and dq, T x (N/K) for dk and dv (where, e.g. at S = 1,
+  dS = dP - delta is zero in exact arithmetic and only rounding remains)."""
+  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
+  if jnp.dtype(dtype) == jnp.float64:
+    eps_acc = eps_out
+  top = float(np.abs(ref).max()) if np.size(ref) else 0.0
+  return (2 * eps_out + 4 * eps_acc * math.sqrt(length)) * max(1.0, top)
+
+
 def causal_mask(T: int, S: int) -> np.ndarray:
   """[T, S] bool, query i sees keys j <= i (top-left aligned, as jax.nn)."""
   return np.arange(T)[:, None] >= np.arange(S)[None, :]

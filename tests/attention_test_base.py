@@ -3,8 +3,8 @@
 Tolerance rule (as in flash-attn's tests): an implementation's error against the
 float64 NumPy truth must be at most twice the error of the plain same-dtype
 implementation (`jflash.attention_xla`, which materialises the scores) against the
-same truth, plus a small floor of a few units of rounding of the dtype for cases
-where the plain error happens to be (near) zero: a few roundings of a length-H dot product.
+same truth, plus a small floor (`jflash.reference.error_floor`) for cases where the
+plain error happens to be (near) zero.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jflash
+from jflash.reference import error_floor as floor, max_err  # noqa: F401  (the rule, shared)
 
 F64 = jnp.float64
 
@@ -41,18 +42,6 @@ def tile_config(implementation, block_q, block_k):
   return None
 
 
-def floor(dtype, ref, length):
-  """For results the plain implementation gets (nearly) exactly, e.g. dk with S = 1
-  (where dS = dP - delta is zero in exact arithmetic): two roundings to the output
-  dtype plus a few float32 roundings of a length-`length` sum (accumulators are
-  float32; that error grows like sqrt(length) eps). `length` is the longest reduction
-  behind the result: H for a dot product, S for out and dq, T x (N/K) for dk and dv."""
-  eps_out, eps_acc = float(jnp.finfo(dtype).eps), float(jnp.finfo(jnp.float32).eps)
-  if jnp.dtype(dtype) == jnp.float64:
-    eps_acc = eps_out
-  return (2 * eps_out + 4 * eps_acc * np.sqrt(length)) * max(1.0, float(np.abs(ref).max()))
-
-
 def reduction_length(shape, name):
   """The longest sum behind one result of a (B, T, S, N, K, H) problem (see `floor`)."""
   B, T, S, N, K, H = shape
@@ -68,10 +57,6 @@ def random_qkv(shape, dtype, seed=0, scale=1.0):
   do = r.standard_normal((B, T, N, H))
   cast = lambda x: jnp.asarray(x, dtype)
   return cast(q), cast(k), cast(v), cast(do)
-
-
-def max_err(x, ref):
-  return float(np.max(np.abs(np.asarray(x, np.float64) - ref))) if np.size(ref) else 0.0
 
 
 class AttentionTestBase:
