@@ -59,9 +59,16 @@ def random_qkv(shape, dtype, seed=0, scale=1.0):
   return cast(q), cast(k), cast(v), cast(do)
 
 
-class AttentionTestBase:
+class TransformationTests:
+  """jit, vmap, bit-identical repeats and second-order gradients of one implementation,
+  at `transform_dtype` and `transform_head_dim` (an implementation that computes only in
+  half precision, like "hip", sets its own). `attn` is the call under test."""
+
   implementation: str = ""
   blocks = TEST_BLOCKS
+  transform_dtype = jnp.float32
+  transform_head_dim = 16
+  second_order = True
 
   def attn(self, q, k, v, **kw):
     return jflash.attention(q, k, v, implementation=self.implementation,
@@ -73,6 +80,48 @@ class AttentionTestBase:
       out, vjp = jax.vjp(fn, q, k, v)
       return (out, *vjp(do))
     return jax.jit(run)(q, k, v, do)
+
+  # -- transformations --------------------------------------------------------------------
+
+  def test_repeated_calls_bit_identical(self):
+    q, k, v, do = random_qkv((1, 97, 97, 2, 1, self.transform_head_dim), jnp.bfloat16, seed=8)
+    f = jax.jit(lambda *a: self.fwd_bwd(lambda *b: self.attn(*b, is_causal=True), *a))
+    first = f(q, k, v, do)
+    again = f(q, k, v, do)
+    for a, b in zip(first, again):
+      assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+  def test_jit_and_vmap(self):
+    q, k, v, _ = random_qkv((3, 40, 40, 2, 2, self.transform_head_dim), self.transform_dtype,
+                            seed=9)
+    eager = self.attn(q, k, v, is_causal=True)
+    jitted = jax.jit(lambda *a: self.attn(*a, is_causal=True))(q, k, v)
+    # vmap over an extra leading axis: each slice is a [1, T, N, H] call.
+    mapped = jax.vmap(lambda *a: self.attn(*a, is_causal=True))(
+        q[:, None], k[:, None], v[:, None])[:, 0]
+    # The same kernels on the same inputs: equal up to float32 reassociation by XLA.
+    np.testing.assert_allclose(np.asarray(jitted, np.float32), np.asarray(eager, np.float32),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mapped, np.float32), np.asarray(eager, np.float32),
+                               rtol=1e-6, atol=1e-6)
+
+  def test_grad_of_grad(self):
+    q, k, v, _ = random_qkv((1, 12, 12, 1, 1, self.transform_head_dim), self.transform_dtype,
+                            seed=10)
+    inner = lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(self.attn(q, k, v) ** 2))(q) ** 2)
+    if self.second_order:
+      got = jax.jit(jax.grad(inner))(q)
+      want = jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(
+          jflash.attention(q, k, v, implementation="xla") ** 2))(q) ** 2)))(q)
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # float32, chained twice
+    else:
+      with pytest.raises(NotImplementedError, match="second-order"):
+        jax.grad(inner)(q)
+
+
+class AttentionTestBase(TransformationTests):
+  """Accuracy against the float64 truth under the rule, edge cases, and (inherited) the
+  transformations."""
 
   def assert_within_rule(self, got, plain, ref, dtype, what, length=None):
     err, err_plain = max_err(got, ref), max_err(plain, ref)
@@ -190,36 +239,4 @@ class AttentionTestBase:
     plain = jflash.attention(q, k, v, implementation="xla")
     self.assert_within_rule(got, plain, ref, jnp.float16, "out")
 
-  # -- transformations --------------------------------------------------------------------
 
-  def test_repeated_calls_bit_identical(self):
-    q, k, v, do = random_qkv((1, 97, 97, 2, 1, 32), jnp.bfloat16, seed=8)
-    f = jax.jit(lambda *a: self.fwd_bwd(lambda *b: self.attn(*b, is_causal=True), *a))
-    first = f(q, k, v, do)
-    again = f(q, k, v, do)
-    for a, b in zip(first, again):
-      assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-  def test_jit_and_vmap(self):
-    q, k, v, _ = random_qkv((3, 40, 40, 2, 2, 16), jnp.float32, seed=9)
-    eager = self.attn(q, k, v, is_causal=True)
-    jitted = jax.jit(lambda *a: self.attn(*a, is_causal=True))(q, k, v)
-    # vmap over an extra leading axis: each slice is a [1, T, N, H] call.
-    mapped = jax.vmap(lambda *a: self.attn(*a, is_causal=True))(
-        q[:, None], k[:, None], v[:, None])[:, 0]
-    np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(mapped, eager, rtol=1e-6, atol=1e-6)
-
-  def test_grad_of_grad(self):
-    q, k, v, _ = random_qkv((1, 12, 12, 1, 1, 8), jnp.float32, seed=10)
-    inner = lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(self.attn(q, k, v) ** 2))(q) ** 2)
-    if self.second_order:
-      got = jax.jit(jax.grad(inner))(q)
-      want = jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(
-          jflash.attention(q, k, v, implementation="xla") ** 2))(q) ** 2)))(q)
-      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # float32, chained twice
-    else:
-      with pytest.raises(NotImplementedError, match="second-order"):
-        jax.grad(inner)(q)
-
-  second_order = True

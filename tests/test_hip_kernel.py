@@ -25,7 +25,7 @@ import hip_ffi
 import jflash
 from hip_ffi import build
 from jflash import hip_impl
-from tests.attention_test_base import floor, max_err, random_qkv
+from tests.attention_test_base import TransformationTests, floor, max_err, random_qkv
 
 # (B, T, S, N, K, H): T, S span several tiles and clip the last; T != S both ways; GQA, MQA.
 SHAPES = [
@@ -264,3 +264,19 @@ def test_handler_rejects_a_bad_call_with_an_error():
     jax.block_until_ready(call((1, 2, 8), 9, r))
   with pytest.raises(Exception, match="ranges"):
     jax.block_until_ready(call((1, 2, 8), 0, jnp.zeros((1, 3, 8), jnp.int32)))
+
+
+class TestHipTransformations(TransformationTests):
+  """The shared test base's jit / vmap / bit-identical repeat / second-order tests,
+  through the emulated runner here and the device runner where a GPU exists: float16
+  and head_dim 64, what the kernels compute in."""
+
+  implementation = "hip"
+  transform_dtype = jnp.float16
+  transform_head_dim = 64
+  second_order = False   # the kernels have no derivative of their own
+
+  @pytest.fixture(autouse=True)
+  def _run_under(self, runner):
+    with runner():   # the whole test: forward and backward are traced inside
+      yield
