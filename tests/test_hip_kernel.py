@@ -266,6 +266,27 @@ def test_handler_rejects_a_bad_call_with_an_error():
     jax.block_until_ready(call((1, 2, 8), 0, jnp.zeros((1, 3, 8), jnp.int32)))
 
 
+def test_malformed_ranges_cannot_read_outside_the_arrays(runner):
+  # The raw op takes the caller's tile table: values past the tile count or the lengths
+  # are clamped in the kernel, so the call returns (what the clamped table says)
+  # instead of reading out of bounds.
+  from pallas_kernels.masking import MaskOperands, MaskOptions, build_ranges
+  q, k, v, _ = random_qkv((1, 70, 90, 2, 1, 64), jnp.float16, seed=13)
+  bq, bk, _ = hip_ffi.tile_table()[64][0]
+  good = build_ranges(MaskOperands(), MaskOptions(), B=1, T=70, S=90, block_q=bq, block_k=bk)
+  n = -(-90 // bk)
+  bad = good.at[..., 0].set(-7).at[..., 1].set(-3).at[..., 2].set(10 * n).at[..., 3].set(
+      10 * n).at[..., 4].set(1 << 30).at[..., 5].set(1 << 30)
+  with runner():
+    want = hip_ffi.flash_forward(q, k, v, good, scale=0.125, is_causal=False)
+    got = hip_ffi.flash_forward(q, k, v, bad, scale=0.125, is_causal=False)
+  # The clamped table visits every key tile with no element mask (so the zero-filled
+  # rows of the clipped last tile count as keys: a wrong but bounded result).
+  for g in got:
+    assert np.isfinite(np.asarray(g, np.float32)).all()
+  assert np.asarray(got[0]).shape == np.asarray(want[0]).shape
+
+
 class TestHipTransformations(TransformationTests):
   """The shared test base's jit / vmap / bit-identical repeat / second-order tests,
   through the emulated runner here and the device runner where a GPU exists: float16

@@ -144,9 +144,17 @@ struct Range {
   int lo, full_lo, full_hi, hi, q_len, kv_len;
 };
 
-__device__ __forceinline__ Range block_range(const MaskParams& m, int b, int blk) {
+// The table is the caller's input (jflash builds it from the per-tile schedule). Its
+// values are clamped to the loop's tile count and to the sequence lengths, so that a
+// malformed table can cost correctness but never a read outside the arrays.
+__device__ __forceinline__ Range block_range(const MaskParams& m, int b, int blk, int n_tiles,
+                                             int T, int S) {
   const int32_t* r = m.ranges + ((int64_t)b * m.n_blocks + blk) * 8;
-  return Range{r[0], r[1], r[2], r[3], r[4], r[5]};
+  const int lo = min(max(r[0], 0), n_tiles);
+  const int hi = min(max(r[3], lo), n_tiles);
+  const int full_lo = min(max(r[1], lo), hi);
+  const int full_hi = min(max(r[2], full_lo), hi);
+  return Range{lo, full_lo, full_hi, hi, min(max(r[4], 0), T), min(max(r[5], 0), S)};
 }
 
 // Element rule of a boundary tile, split so that the row-major kernels (forward, dQ)
@@ -369,7 +377,7 @@ flash_fwd_kernel(FwdParams p) {
   const uint16_t* q = p.q + (int64_t)b * p.T * q_row + (int64_t)n * D;
   const uint16_t* k = p.k + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
   const uint16_t* v = p.v + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
-  const Range rg = block_range(p.mask, b, qtile);
+  const Range rg = block_range(p.mask, b, qtile, (p.S + Tl::BK - 1) / Tl::BK, p.T, p.S);
 
   load_rows<D, Tl::NT>(qs, Tl::QS, q, q_row, i0, Tl::BQ, p.T);
 
@@ -498,7 +506,7 @@ flash_bwd_dq_kernel(BwdParams p) {
   const int64_t q_off = (int64_t)b * p.T * q_row + (int64_t)n * D;
   const uint16_t* k = p.k + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
   const uint16_t* v = p.v + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
-  const Range rg = block_range(p.mask, b, qtile);
+  const Range rg = block_range(p.mask, b, qtile, (p.S + Tl::BKV - 1) / Tl::BKV, p.T, p.S);
   const float scale_log2 = p.scale * kLog2e;
 
   load_rows<D, Tl::NT>(qs, Tl::DS, p.q + q_off, q_row, i0, Tl::BQ, p.T);
@@ -582,7 +590,7 @@ flash_bwd_dkdv_kernel(BwdParams p) {
   const int g = threadIdx.x / 16, lane = threadIdx.x % 16;
   const int64_t q_row = (int64_t)p.N * D, kv_row = (int64_t)p.KH * D;
   const int64_t kv_off = (int64_t)b * p.S * kv_row + (int64_t)kh * D;
-  const Range rg = block_range(p.mask, b, ktile);
+  const Range rg = block_range(p.mask, b, ktile, (p.T + Tl::BQ - 1) / Tl::BQ, p.T, p.S);
   const float scale_log2 = p.scale * kLog2e;
 
   load_rows<D, Tl::NT>(ks, Tl::DS, p.k + kv_off, kv_row, j0, Tl::BKV, p.S);
