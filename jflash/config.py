@@ -16,12 +16,6 @@ import dataclasses
 from typing import ClassVar
 
 
-def _check_tile(name, val):
-  # Triton tiles are powers of two, and tl.dot needs at least 16 rows.
-  if isinstance(val, bool) or not isinstance(val, int) or val < 16 or val & (val - 1):
-    raise ValueError(f"{name}={val!r} must be a power of two >= 16")
-
-
 def _check_positive(name, val, optional=True):
   if val is None and optional:
     return
@@ -71,12 +65,9 @@ class PallasConfig(BackendConfig):
   num_stages_dq: int | None = None
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      val = getattr(self, f.name)
-      if f.name.startswith(("num_warps", "num_stages")):
-        _check_positive(f.name, val)
-      else:
-        _check_tile(f.name, val)
+    # The Triton tile rules live with the kernels' own record: building one checks them.
+    from pallas_kernels.tuning import BlockSizes
+    BlockSizes(**dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)

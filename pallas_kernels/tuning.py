@@ -6,7 +6,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the forward and backward kernels (rows of Q x rows of K/V).
+  """Tiles of the forward and backward kernels (rows of Q x rows of K/V): the kernels'
+  own record, and the one place of the tile rules (jflash's public PallasConfig has the
+  same fields and is checked by building one of these).
 
   Attributes:
     block_q, block_k: forward tile; the forward grid runs over query blocks
@@ -36,11 +38,12 @@ class BlockSizes:
   def __post_init__(self):
     for f in dataclasses.fields(self):
       val = getattr(self, f.name)
+      integer = isinstance(val, int) and not isinstance(val, bool)
       if f.name.startswith(("num_warps", "num_stages")):
-        if val is not None and (not isinstance(val, int) or val < 1):
+        if val is not None and (not integer or val < 1):
           raise ValueError(f"{f.name}={val!r} must be a positive int or None")
         continue
-      if not isinstance(val, int) or val < 16 or val & (val - 1):
+      if not integer or val < 16 or val & (val - 1):
         # Triton tiles are powers of two and tl.dot needs at least 16 rows.
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
