@@ -91,11 +91,12 @@ def test_lowers_with_every_mask_path(H, dtype):
   assert "mosaic_gpu" in _lowered(H, opts, with_masks=True, dtype=dtype)
 
 
-def test_lowers_with_wider_tiles_and_mqa():
+def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
   config = mb.BackwardConfig(block_n=128)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True), config=config)
-  assert "mosaic_gpu" in _lowered(64, MaskOptions(), config=mb.BackwardConfig(
-      semantics="lane"), N=8, K=1)
+  assert "mosaic_gpu" in _lowered(64, MaskOptions(), N=8, K=1)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True),
+                                  config=mb.BackwardConfig(semantics="warpgroup"))
 
 
 # -- the kernels under Mosaic GPU's interpreter ----------------------------------------------
