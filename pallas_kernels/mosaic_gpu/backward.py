@@ -9,8 +9,9 @@ cap, dK = scale dS'^T Q, dQ = scale dS' K, with delta = rowsum(dO * O) minus the
 cotangent (`backward_statistics`, shared with the Triton kernels).
 
 Two kernels, each program one warpgroup (M = 64 rows of every warpgroup matrix
-product) that loads its tiles with bulk tensor copies (TMA) into one shared-memory
-slot and waits for them (no pipelining across tiles yet, no warp specialisation):
+product; no warp specialisation yet) that loads its tiles with bulk tensor copies
+(TMA): the program's fixed operands once, the streamed ones double-buffered (the next
+tile's copies are issued before this tile's products):
 
 - dK/dV: grid over (key tiles, key heads, batch). K and V of the tile stay in shared
   memory; a runtime loop over the query heads of the GQA group and, inside, over the
@@ -161,6 +162,28 @@ def _load_tile(src, dst, barrier):
   plgpu.barrier_wait(barrier)
 
 
+class _Stream:
+  """Two streamed operands (Q and dO, or K and V) in two shared-memory slots: the tile
+  after the current one is copied into the other slot while this one is computed on
+  (double buffering). The other slot held the previous tile, whose products were all
+  waited for (its accumulators were read) before the next copy is issued. Each slot's
+  barriers complete once per copy and are waited on once per tile."""
+
+  def __init__(self, srcs, smems, loaded):
+    self.srcs, self.smems, self.loaded = srcs, smems, loaded   # loaded: [operand, slot]
+
+  def start(self, slot, *coords):
+    plgpu = _plgpu()
+    for a, (src, smem) in enumerate(zip(self.srcs, self.smems)):
+      plgpu.copy_gmem_to_smem(src(*coords), smem.at[slot], self.loaded.at[2 * a + slot])
+
+  def wait(self, slot):
+    plgpu = _plgpu()
+    for a in range(len(self.srcs)):
+      plgpu.barrier_wait(self.loaded.at[2 * a + slot])
+    return tuple(smem.at[slot] for smem in self.smems)
+
+
 def _store_tile(x, smem, dst):
   plgpu = _plgpu()
   smem[...] = x.astype(smem.dtype)
@@ -175,31 +198,37 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret):
   r = dict(zip(names, refs))
   bk = ROWS
   j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
-  k_smem, v_smem, q_smem, do_smem, bar = (r[n] for n in ("k_smem", "v_smem", "q_smem",
-                                                         "do_smem", "bar"))
+  k_smem, v_smem = r["k_smem"], r["v_smem"]
   H = k_smem.shape[-1]
   mm = _Products(interpret)
   cast, iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
   keys = pl.ds(j * bk, bk)
-  _load_tile(r["k"].at[b, keys, kv_head], k_smem, bar.at[0])
-  _load_tile(r["v"].at[b, keys, kv_head], v_smem, bar.at[0])
+  _load_tile(r["k"].at[b, keys, kv_head], k_smem, r["fixed_loaded"].at[0])
+  _load_tile(r["v"].at[b, keys, kv_head], v_smem, r["fixed_loaded"].at[1])
   ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = _row(ranges, b, j)
   kv_len = ranges[b, j, 5]
   kv_seg = None
   if "kv_seg" in r:
     kv_seg = lax.broadcast_in_dim(
         _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
   along_queries = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+  head = lambda g: kv_head * group + g
+  # Query tiles stream in the loop order: every visited tile of head 0, then head 1, ...
+  stream = _Stream([lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
+                    lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]],
+                   [r["q_smem"], r["do_smem"]], r["loaded"])
+  pl.when(hi > lo)(lambda: stream.start(0, lo, 0))
 
-  def body(i, carry, n, masked):
+  def body(i, carry, g, masked):
     dk, dv = carry
+    n = head(g)
+    slot = lax.rem(g * (hi - lo) + i - lo, 2)
+    pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
+    pl.when((i + 1 == hi) & (g + 1 < group))(lambda: stream.start(1 - slot, lo, g + 1))
     rows = pl.ds(i * bq, bq)
-    _load_tile(r["q"].at[b, rows, n], q_smem, bar.at[0])
-    _load_tile(r["do"].at[b, rows, n], do_smem, bar.at[0])
     lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
     delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-    s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
-    dp_t = mm.fresh(v_smem, do_smem, (bk, bq), b_t=True)     # dP^T = V dO^T
     keep = None
     if masked:
       q_seg = None
@@ -207,6 +236,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret):
         q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
       keep = structured_keep(i * bq + iota(1), j * bk + iota(0), opts, kv_len=kv_len,
                              q_seg=q_seg, kv_seg=kv_seg)
+    q_smem, do_smem = stream.wait(slot)
+    s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
+    dp_t = mm.fresh(v_smem, do_smem, (bk, bq), b_t=True)     # dP^T = V dO^T
     p_t, ds_t = _tile_ds(s_t, dp_t, lse2, delta, opts=opts, scale=scale, keep=keep)
     dv = mm.add(dv, p_t.astype(do_smem.dtype), do_smem)      # dV += P^T dO
     dk = mm.add(dk, ds_t.astype(q_smem.dtype), q_smem)       # dK += dS'^T Q
@@ -215,7 +247,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret):
   # The group's query heads run as a loop of the program (its size does not grow with
   # the group); their dK/dV sum in the same registers.
   def one_head(g, carry):
-    return visit_tiles(_row(ranges, b, j), functools.partial(body, n=kv_head * group + g), carry)
+    return visit_tiles((lo, full_lo, full_hi, hi), functools.partial(body, g=g), carry)
 
   zeros = cast(jnp.zeros((bk, H), jnp.float32), _plgpu().Layout.WGMMA if not interpret else None)
   dk, dv = lax.fori_loop(0, group, one_head, (zeros, zeros))
@@ -228,43 +260,47 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret):
   r = dict(zip(names, refs))
   bq = ROWS
   i, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
-  q_smem, do_smem, k_smem, v_smem, bar = (r[x] for x in ("q_smem", "do_smem", "k_smem",
-                                                         "v_smem", "bar"))
+  q_smem, do_smem = r["q_smem"], r["do_smem"]
   H = q_smem.shape[-1]
   mm = _Products(interpret)
   cast, iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
   rows = pl.ds(i * bq, bq)
   kv_head = lax.div(n, jnp.int32(group))
-  _load_tile(r["q"].at[b, rows, n], q_smem, bar.at[0])
-  _load_tile(r["do"].at[b, rows, n], do_smem, bar.at[0])
+  ranges = r["ranges"]
+  lo, full_lo, full_hi, hi = _row(ranges, b, i)
+  stream = _Stream([lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
+                    lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]],
+                   [r["k_smem"], r["v_smem"]], r["loaded"])
+  pl.when(hi > lo)(lambda: stream.start(0, lo))
+  _load_tile(r["q"].at[b, rows, n], q_smem, r["fixed_loaded"].at[0])
+  _load_tile(r["do"].at[b, rows, n], do_smem, r["fixed_loaded"].at[1])
   along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
   lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
   delta = along_keys(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-  ranges = r["ranges"]
   kv_len = ranges[b, i, 5]
   q_seg = None
   if "q_seg" in r:
     q_seg = along_keys(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
 
   def body(j, dq, masked):
-    cols = pl.ds(j * bk, bk)
-    _load_tile(r["k"].at[b, cols, kv_head], k_smem, bar.at[0])
-    _load_tile(r["v"].at[b, cols, kv_head], v_smem, bar.at[0])
-    s = mm.fresh(q_smem, k_smem, (bq, bk), b_t=True)          # S = Q K^T
-    dp = mm.fresh(do_smem, v_smem, (bq, bk), b_t=True)        # dP = dO V^T
+    slot = lax.rem(j - lo, 2)
+    pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
     keep = None
     if masked:
       kv_seg = None
       if q_seg is not None:
-        kv_seg = lax.broadcast_in_dim(
-            _load_vector(r["kv_seg"].at[b, cols], key_layout, interpret), (bq, bk), [1])
+        kv_seg = lax.broadcast_in_dim(_load_vector(
+            r["kv_seg"].at[b, pl.ds(j * bk, bk)], key_layout, interpret), (bq, bk), [1])
       keep = structured_keep(i * bq + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
                              q_seg=q_seg, kv_seg=kv_seg)
+    k_smem, v_smem = stream.wait(slot)
+    s = mm.fresh(q_smem, k_smem, (bq, bk), b_t=True)          # S = Q K^T
+    dp = mm.fresh(do_smem, v_smem, (bq, bk), b_t=True)        # dP = dO V^T
     _, ds = _tile_ds(s, dp, lse2, delta, opts=opts, scale=scale, keep=keep)
     return mm.add(dq, ds.astype(k_smem.dtype), k_smem)        # dQ += dS' K
 
   dq = cast(jnp.zeros((bq, H), jnp.float32), _plgpu().Layout.WGMMA if not interpret else None)
-  dq = visit_tiles(_row(ranges, b, i), body, dq)
+  dq = visit_tiles((lo, full_lo, full_hi, hi), body, dq)
   _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
 
 
@@ -320,9 +356,12 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     extra["interpret"] = InterpretGPUParams()
 
   def call(kernel, grid, grid_names, x, ranges, tiles, out_type):
-    scratch = dict(**{name: plgpu.SMEM((rows, H), q.dtype, **swizzled)
-                      for name, rows in tiles.items()},
-                   bar=plgpu.Barrier(num_barriers=1))
+    # tiles: name -> (slots, rows); the streamed ones have two slots.
+    scratch = dict(**{name: plgpu.SMEM((rows, H) if slots == 1 else (slots, rows, H), q.dtype,
+                                       **swizzled)
+                      for name, (slots, rows) in tiles.items()},
+                   fixed_loaded=plgpu.Barrier(num_barriers=2),
+                   loaded=plgpu.Barrier(num_barriers=4))
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
@@ -342,7 +381,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   kv_type = jax.ShapeDtypeStruct((B, Sp, K, H), k.dtype)
   dk, dv = call(functools.partial(_dkv_kernel, bq=bq), (Sp // bk, K, B),
                 ("kv", "heads", "batch"), x, ranges,
-                dict(k_smem=bk, v_smem=bk, q_smem=bq, do_smem=bq), [kv_type, kv_type])
+                dict(k_smem=(1, bk), v_smem=(1, bk), q_smem=(2, bq), do_smem=(2, bq)), [kv_type, kv_type])
 
   # -- dQ: query tiles of ROWS rows, key tiles of block_n rows
   bq, bk = ROWS, config.block_n
@@ -350,6 +389,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk), (Tp // bq, N, B),
                ("q", "heads", "batch"), x, ranges,
-               dict(q_smem=bq, do_smem=bq, k_smem=bk, v_smem=bk),
+               dict(q_smem=(1, bq), do_smem=(1, bq), k_smem=(2, bk), v_smem=(2, bk)),
                [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)])
   return dq[:, :T], dk[:, :S], dv[:, :S]
