@@ -200,3 +200,12 @@ def test_interpreted_negative_scale_and_lse_cotangent():
   for name, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
     err, err_plain = max_err(g, t), max_err(p, t)
     assert err <= 2 * err_plain + error_floor(q.dtype, t, 64), (name, err, err_plain)
+
+
+def test_second_order_gradients_are_refused():
+  q, k, v = random_qkv((1, 16, 16, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
+  impl = api.get_implementation("mosaic_gpu")
+  cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD)
+  loss = lambda q: api._flash(q, k, v, masks, impl, cfg)[0].astype(jnp.float32).sum()
+  with pytest.raises(NotImplementedError, match="mosaic_gpu .* has no derivative of its own"):
+    jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
