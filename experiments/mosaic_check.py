@@ -13,6 +13,17 @@ Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
   python -m experiments.mosaic_check                 # everything, on an H100/H200
   python -m experiments.mosaic_check --no-timing     # correctness and dispatch only
   python -m experiments.mosaic_check --sweep         # also tiles of the kernel per cell
+
+With `--backward`, the opt-in Mosaic GPU backward (`MosaicGPUConfig(backward=
+"mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
+rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x group
+for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
+window + segments + soft cap + lengths (0 included); a NaN in one query row; then
+fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
+(FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal).
+
+  python -m experiments.mosaic_check --backward                    # on an H100/H200
+  python -m experiments.mosaic_check --backward --dry-run-cpu      # tiny, interpreted
 """
 from __future__ import annotations
 
@@ -271,6 +282,180 @@ def sweep_configs(H):
           and (c.pv_in_place or H < 256)]   # two 64 x 256 float32 accumulators spill
 
 
+# -- the Mosaic GPU backward (opt-in) -----------------------------------------------------
+
+MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
+
+
+def backward_cases():
+  """(name, shape (B, T, S, N, K, H), dtype, kwargs of jflash.attention)."""
+  bf16, f16 = jnp.bfloat16, jnp.float16
+  out = []
+  for H in (64, 128):
+    for causal in (False, True):
+      out.append((f"bwd mha d{H}" + (" causal" if causal else ""), (1, 1024, 1024, 4, 4, H),
+                  bf16, dict(is_causal=causal)))
+  out.append(("bwd mha d128 fp16 causal", (1, 1024, 1024, 4, 4, 128), f16, dict(is_causal=True)))
+  out.append(("bwd gqa 8/2 d128 causal, T=S=1000 off tile", (1, 1000, 1000, 8, 2, 128), bf16,
+              dict(is_causal=True)))
+  out.append(("bwd mqa 4/1 d64, T=300 S=777", (1, 300, 777, 4, 1, 64), bf16, {}))
+  out.append(("bwd gqa d128 causal, T=700 S=200", (1, 700, 200, 4, 2, 128), bf16,
+              dict(is_causal=True)))
+  out.append(("bwd window (64, 32) d64 causal off tile", (1, 999, 999, 4, 2, 64), bf16,
+              dict(is_causal=True, local_window_size=(64, 32))))
+  seg = np.repeat(np.arange(5), 205)[None, :1024]
+  out.append(("bwd segments + soft cap d128 causal", (1, 1024, 1024, 4, 4, 128), bf16,
+              dict(is_causal=True, segment_ids=jnp.asarray(seg, jnp.int32), logits_soft_cap=20.0)))
+  out.append(("bwd lengths q [0, 700] kv [513, 1000] d128", (2, 1000, 1000, 4, 2, 128), bf16,
+              dict(query_seq_lengths=jnp.asarray([0, 700], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([513, 1000], jnp.int32))))
+  return out
+
+
+def check_backward_case(name, shape, dtype, kw, seed):
+  row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
+  try:
+    q, k, v = _inputs(shape, dtype, seed)
+    do = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), dtype)
+
+    def grads(impl, config=None):
+      f = lambda q, k, v: jflash.attention(q, k, v, implementation=impl, config=config, **kw)
+      return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
+    t0 = time.perf_counter()
+    got = grads(IMPL, MOSAIC_BWD)
+    block(got)
+    row["first_call_s"] = round(time.perf_counter() - t0, 2)
+    plain = grads("xla")
+    ref_kw = {a: (np.asarray(b) if hasattr(b, "shape") else
+                  tuple(np.asarray(x) for x in b) if a == "segment_ids" and isinstance(b, tuple)
+                  else b) for a, b in kw.items()}
+    ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                 dout=np.asarray(do, np.float64), **ref_kw)[2:5]
+    B, T, S, N, K, H = shape
+    row["ok"] = True
+    for n, g, p, t, length in zip(("dq", "dk", "dv"), got, plain, ref,
+                                  (S, T * (N // K), T * (N // K))):
+      err, perr = max_err(g, t), max_err(p, t)
+      bound = 2 * perr + error_floor(dtype, t, length)
+      row[n] = {"err": err, "plain_err": perr, "bound": bound}
+      row["ok"] &= bool(err <= bound and np.isfinite(np.asarray(g, np.float32)).all())
+  except Exception as e:  # recorded, so one failing case does not hide the others
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+    traceback.print_exc()
+  return row
+
+
+def check_backward_nan(shape=(1, 256, 256, 2, 2, 64)):
+  """A NaN in one visible query row (causal): dq NaN in that row only; dv NaN exactly
+  for the keys that row sees (a hidden key keeps P = 0)."""
+  row = {"name": "bwd NaN in one query row", "ok": False}
+  try:
+    q, k, v = _inputs(shape, jnp.bfloat16, 3)
+    t_bad = min(70, shape[1] // 2)
+    q = q.at[0, t_bad, 1, 5].set(jnp.nan)
+    do = jnp.ones_like(q)
+    f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=IMPL,
+                                         config=MOSAIC_BWD)
+    dq, dk, dv = (np.asarray(g, np.float32) for g in
+                  jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))(q, k, v))
+    dq_rows = np.argwhere(~np.isfinite(dq).all(-1)).tolist()       # [b, t, n]
+    dv_keys = np.flatnonzero(~np.isfinite(dv[0, :, 1 // (shape[3] // shape[4])]).all(-1))
+    row.update(dq_nan_rows=dq_rows, dv_nan_keys=dv_keys.tolist(),
+               ok=bool(dq_rows == [[0, t_bad, 1]] and dv_keys.tolist() == list(range(t_bad + 1))))
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+    traceback.print_exc()
+  return row
+
+
+BACKWARD_CELLS = [  # (name, B, S, N, K, H)
+    ("16K d128", 1, 16384, 16, 16, 128),
+    ("4K d64", 4, 4096, 32, 32, 64),
+    ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
+    ("MQA 16/1 16K d128", 1, 16384, 16, 1, 128),
+]
+
+
+def time_backward_cells(rounds, cells):
+  """fwd+bwd TFLOP/s (one jitted vjp with a fixed output cotangent) of mosaic_gpu with
+  the Mosaic GPU backward, with the Triton backward, and of cuDNN."""
+  rows = []
+  for name, B, S, N, K, H in BACKWARD_CELLS:
+    if cells and not any(c in name for c in cells):
+      continue
+    q = _inputs((B, S, S, N, K, H), jnp.bfloat16, 0)[0]
+    k, v = _inputs((B, S, S, K, K, H), jnp.bfloat16, 1)[1:]
+    do = jnp.ones_like(q)
+    for causal in (False, True):
+      flops = 14 * B * S * S * N * H / (2 if causal else 1)
+      row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "K": K,
+             "H": H, "causal": causal, "tflops": {}}
+
+      def vjp_of(f):
+        return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+      fns = {
+          f"{IMPL} bwd=mosaic_gpu": vjp_of(lambda q, k, v: jflash.attention(
+              q, k, v, is_causal=causal, implementation=IMPL, config=MOSAIC_BWD)),
+          f"{IMPL} bwd=pallas": vjp_of(lambda q, k, v: jflash.attention(
+              q, k, v, is_causal=causal, implementation=IMPL)),
+          "cudnn": vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
+              q, k, v, is_causal=causal, implementation="cudnn")),
+      }
+      for impl, fn in fns.items():
+        try:
+          t0 = time.perf_counter()
+          block(fn(q, k, v, do))
+          row.setdefault("compile_s", {})[impl] = round(time.perf_counter() - t0, 1)
+          row["tflops"][impl] = round(flops / bench(fn, (q, k, v, do), rounds) / 1e12, 1)
+        except Exception as e:
+          row["tflops"][impl] = None
+          row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
+      t = row["tflops"]
+      if t.get(f"{IMPL} bwd=mosaic_gpu") and t.get("cudnn"):
+        row["ratio_vs_cudnn"] = round(t[f"{IMPL} bwd=mosaic_gpu"] / t["cudnn"], 3)
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
+def dry_run_cpu():
+  """The --backward checks on a CPU: tiny shapes, the kernels under Mosaic GPU's
+  interpreter (the adapter interprets off the GPU), the device check bypassed. It
+  tests this script, not the GPU."""
+  from jflash import mosaic_impl
+  mosaic_impl.device_capability = lambda device=None: ("gpu", "9.0")
+  rows = [check_backward_case("dry gqa 4/2 d64 causal, T=70 S=90", (1, 70, 90, 4, 2, 64),
+                              jnp.bfloat16, dict(is_causal=True), seed=0),
+          check_backward_nan((1, 64, 64, 2, 2, 64))]
+  for r in rows:
+    print(r, flush=True)
+  return 0 if all(r["ok"] for r in rows) else 1
+
+
+def main_backward(args):
+  if args.dry_run_cpu:
+    return dry_run_cpu()
+  checks = []
+  if not args.no_check:
+    for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
+      if args.only and args.only not in name:
+        continue
+      checks.append(check_backward_case(name, shape, dtype, kw, seed=i))
+      print(checks[-1], flush=True)
+    checks.append(check_backward_nan())
+    print(checks[-1], flush=True)
+  timing = [] if args.no_timing else time_backward_cells(
+      args.rounds, [c for c in args.cells.split(",") if c])
+  name = "mosaic_backward_check_h200" if args.name == "mosaic_check_h200" else args.name
+  path = write_result(name, vars(args), checks, extra={"timing": timing}, out_dir=args.out_dir)
+  bad = [c["name"] for c in checks if not c["ok"]]
+  print(f"\n{len(checks) - len(bad)}/{len(checks)} backward checks within the rule; failed: {bad}")
+  for r in timing:
+    print(r["cell"], r["tflops"], r.get("ratio_vs_cudnn"))
+  print(f"-> {path}")
+  return 1 if bad else 0
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out-dir", default=None, help="where the JSON goes (default experiments/results)")
@@ -282,7 +467,13 @@ def main(argv=None):
   p.add_argument("--only", default=None, help="run only the cases whose name contains this")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
+  p.add_argument("--backward", action="store_true",
+                 help="check and time the opt-in Mosaic GPU backward instead")
+  p.add_argument("--dry-run-cpu", action="store_true",
+                 help="with --backward: tiny interpreted checks on a CPU (tests this script)")
   args = p.parse_args(argv)
+  if args.backward:
+    return main_backward(args)
   result = {"dispatch": check_dispatch()}
   print("dispatch", result["dispatch"], flush=True)
   checks = []

@@ -107,10 +107,10 @@ class HipConfig(BackendConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGPUConfig(BackendConfig):
-  """"mosaic_gpu": tiles of the Hopper forward (its backward is the Pallas one, tuned by
-  a `PallasConfig`). Any field left None takes the per-head_dim default of
-  pallas_kernels/mosaic_gpu/forward.py; the kernel checks the combination (ValueError)
-  and whether it fits shared memory (NotImplementedError).
+  """"mosaic_gpu": tiles of the Hopper forward and which backward runs. Any tile field
+  left None takes the per-head_dim default of pallas_kernels/mosaic_gpu/forward.py; the
+  kernel checks the combination (ValueError) and whether it fits shared memory
+  (NotImplementedError).
 
   Attributes:
     block_q: query rows per consumer warpgroup, a multiple of 64 (the M of one
@@ -118,17 +118,25 @@ class MosaicGPUConfig(BackendConfig):
     block_k: key/value rows per pipeline slot: 64, 128, 192 or 256.
     stages: shared-memory slots of K/V in flight (>= 2).
     persistent: one program per multiprocessor looping over the work items.
+    backward: "pallas" (default): the Triton backward kernels, verified on GPUs;
+      "mosaic_gpu": the Mosaic GPU backward kernels
+      (pallas_kernels/mosaic_gpu/backward.py), verified by lowering and by Mosaic
+      GPU's interpreter only, not yet on a GPU; head_dim 64 or 128.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
+  backward_kinds: ClassVar[tuple[str, ...]] = ("pallas", "mosaic_gpu")
 
   block_q: int | None = None
   block_k: int | None = None
   stages: int | None = None
   persistent: bool | None = None
+  backward: str = "pallas"
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "stages"):
       _check_positive(name, getattr(self, name))
+    if self.backward not in self.backward_kinds:
+      raise ValueError(f"backward={self.backward!r} must be one of {self.backward_kinds}")
     if self.persistent is not None and not isinstance(self.persistent, bool):
       raise ValueError(f"persistent={self.persistent!r} must be a bool or None")

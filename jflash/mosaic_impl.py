@@ -1,6 +1,9 @@
 """"mosaic_gpu": the Hopper forward kernel on Pallas Mosaic GPU behind jflash's
-custom_vjp; the backward is the Triton ("pallas") backward, which needs only the
-residuals (q, k, v, out, lse) that this forward returns in the same form.
+custom_vjp. The backward is, by default, the Triton ("pallas") backward, which needs
+only the residuals (q, k, v, out, lse) that this forward returns in the same form; with
+`MosaicGPUConfig(backward="mosaic_gpu")` it is the Mosaic GPU backward kernels
+(pallas_kernels/mosaic_gpu/backward.py: lowered and interpreted on a CPU, not yet run
+on a GPU), fed the same mask records as the forward.
 
 The one adapter between jflash's vocabulary and the kernel's own records: `Masks` ->
 pallas_kernels.masking's MaskOptions / MaskOperands (through `kernel_records`, the
@@ -18,6 +21,7 @@ from jflash import pallas_impl
 from jflash.api import first_order_only
 from jflash.config import MosaicGPUConfig
 from jflash.masks import Masks, kernel_records
+from pallas_kernels.mosaic_gpu import backward as _bwd
 from pallas_kernels.mosaic_gpu import forward as _fwd
 
 # Fields of `Masks` the kernel takes; the others raise NotImplementedError.
@@ -44,7 +48,8 @@ def kernel_config(q, cfg) -> _fwd.MosaicConfig:
   own = cfg.backend_config(MosaicGPUConfig)
   if own is None:
     return config
-  fields = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)}
+  fields = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)
+            if f.name != "backward"}
   return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
 
 
@@ -61,6 +66,14 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
   if lacking:
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
   _fwd.check_supported(q, k, v, kernel_config(q, cfg))
+  if backward_kind(cfg) == "mosaic_gpu":
+    _bwd.check_supported(q, k, v)
+
+
+def backward_kind(cfg) -> str:
+  """Which backward the caller chose: "pallas" (default) or "mosaic_gpu"."""
+  own = cfg.backend_config(MosaicGPUConfig)
+  return "pallas" if own is None else own.backward
 
 
 def supports(q, k, v, cfg, masks: Masks):
@@ -87,4 +100,16 @@ def forward(q, k, v, cfg, masks: Masks):
   return first_order_only(fwd, "the mosaic_gpu forward kernel")(q, k, v, masks)
 
 
-backward = pallas_impl.backward
+def backward(q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
+  """(dq, dk, dv): the Triton backward, or the Mosaic GPU one when the config asks for
+  it (interpreted by Mosaic GPU's own interpreter off the GPU, as the forward)."""
+  if backward_kind(cfg) == "pallas":
+    return pallas_impl.backward(q, k, v, out, lse, dout, dlse, cfg, masks)
+  interpret = jax.default_backend() != "gpu"
+
+  def bwd(q, k, v, out, lse, dout, dlse, masks):
+    opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
+    return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
+                               ops=ops, interpret=interpret)
+  return first_order_only(bwd, "the mosaic_gpu backward kernels")(
+      q, k, v, out, lse, dout, dlse, masks)

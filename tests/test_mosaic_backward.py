@@ -1,0 +1,211 @@
+"""The Mosaic GPU backward (pallas_kernels/mosaic_gpu/backward.py) on a CPU.
+
+It has not run on a GPU; what is checked here:
+- lowering: both kernels lower to the Mosaic GPU dialect for CUDA (cross-platform
+  lowering; nothing runs), for head_dim 64 and 128, causal and not, every mask path;
+- interpretation: the kernels run by Mosaic GPU's own interpreter (simulated shared
+  memory, bulk copies and barriers) against the float64 closed form, under the 2x rule.
+  The interpreter has no in-register or transposed matrix-product operands and no layout
+  casts, so there the four products are plain dots; the schedule, the loads, masks,
+  tails, the GQA head loop and the NaN rules are the kernels' own;
+- the opt-in `MosaicGPUConfig(backward="mosaic_gpu")` and its validation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import api, mosaic_impl
+from jflash.reference import error_floor, max_err
+from pallas_kernels.masking import MaskOperands, MaskOptions
+from pallas_kernels.mosaic_gpu import backward as mb
+from tests.attention_test_base import random_qkv
+
+HOPPER = dict(platform="gpu", capability="9.0")
+MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
+
+
+# -- configuration -------------------------------------------------------------------------
+
+def test_backward_is_opt_in_and_validated():
+  q, k, v = random_qkv((1, 16, 16, 2, 1, 64), jnp.bfloat16)[:3]
+  assert mosaic_impl.backward_kind(jflash.prepare(q, k, v)[0]) == "pallas"
+  cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD)
+  assert mosaic_impl.backward_kind(cfg) == "mosaic_gpu"
+  mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
+  with pytest.raises(ValueError, match="backward='triton'"):
+    jflash.MosaicGPUConfig(backward="triton")
+  with pytest.raises(ValueError, match="block_n=96"):
+    mb.BackwardConfig(block_n=96)
+  with pytest.raises(ValueError, match="semantics='auto'"):
+    mb.BackwardConfig(semantics="auto")
+
+
+def test_head_dim_256_is_refused_only_with_the_mosaic_backward():
+  q, k, v = random_qkv((1, 16, 16, 1, 1, 256), jnp.bfloat16)[:3]
+  mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **HOPPER)
+  with pytest.raises(NotImplementedError, match="backward supports head_dim"):
+    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
+  with pytest.raises(NotImplementedError, match="no dense mask"):
+    mb.flash_backward(q, k, v, q, None, q, scale=1.0,
+                      ops=MaskOperands(mask=jnp.ones((1, 1, 16, 16), bool)))
+
+
+# -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
+
+def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
+             dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
+  k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
+  lse = jax.ShapeDtypeStruct((2, N, T), jnp.float32)
+
+  def f(q, k, v, out, lse, dout, *extra):
+    ops = None
+    if extra:
+      ops = MaskOperands(q_segment_ids=extra[0], kv_segment_ids=extra[1], kv_lengths=extra[2])
+    return mb.flash_backward(q, k, v, out, lse, dout, lse, scale=H ** -0.5, opts=opts,
+                             ops=ops, config=config)
+  extra = []
+  if with_masks:
+    extra = [jax.ShapeDtypeStruct((2, T), jnp.int32), jax.ShapeDtypeStruct((2, S), jnp.int32),
+             jax.ShapeDtypeStruct((2,), jnp.int32)]
+  try:
+    lowered = jax.jit(f).trace(q, k, k, q, lse, q, *extra).lower(lowering_platforms=("cuda",))
+  except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU bindings
+    pytest.skip(f"this jaxlib cannot lower Mosaic GPU kernels: {e}")
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("H", mb.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_to_mosaic_gpu(H, causal):
+  assert _lowered(H, MaskOptions(is_causal=causal)).count("@mosaic_gpu") == 2   # dK/dV, dQ
+
+
+@pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
+def test_lowers_with_every_mask_path(H, dtype):
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  assert "mosaic_gpu" in _lowered(H, opts, with_masks=True, dtype=dtype)
+
+
+def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
+  config = mb.BackwardConfig(block_n=128)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True), config=config)
+  assert "mosaic_gpu" in _lowered(64, MaskOptions(), N=8, K=1)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True),
+                                  config=mb.BackwardConfig(semantics="warpgroup"))
+
+
+# -- the kernels under Mosaic GPU's interpreter ----------------------------------------------
+
+def _check_grads(got, q, k, v, do, **kw):
+  """The 2x rule per gradient: error against the float64 closed form <= 2x that of the
+  plain "xla" implementation at the same dtype, plus the rounding floor of its longest
+  sum (S for dQ, T x group for dK and dV)."""
+  f64 = lambda x: np.asarray(x, np.float64) if hasattr(x, "shape") else x
+  ref_kw = {a: (tuple(f64(x) for x in b) if isinstance(b, tuple) else f64(b))
+            for a, b in kw.items()}
+  ref = jflash.attention_numpy(*(f64(x) for x in (q, k, v)), dout=f64(do), **ref_kw)[2:5]
+  plain = jax.vjp(lambda q, k, v: jflash.attention(q, k, v, implementation="xla", **kw),
+                  q, k, v)[1](do)
+  T, S, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+  for name, g, p, t, n in zip(("dq", "dk", "dv"), got, plain, ref, (S, T * group, T * group)):
+    err, err_plain = max_err(g, t), max_err(p, t)
+    assert err <= 2 * err_plain + error_floor(q.dtype, t, n), (name, err, err_plain)
+
+
+def test_interpreted_gqa_causal_with_tails():
+  """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
+  last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
+  transposed schedule in dK/dV and from the plain one in dQ."""
+  q, k, v, do = random_qkv((1, 70, 90, 4, 2, 64), jnp.bfloat16, seed=1)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
+def test_interpreted_masks_through_the_adapter(monkeypatch):
+  """The opt-in through jflash's custom_vjp (Mosaic GPU forward and backward, both
+  interpreted): window, segments (one query segment sees no key), soft cap, key and
+  query lengths including 0; T != S; fp16."""
+  B, T, S = 2, 70, 80
+  q, k, v, do = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)
+  q_seg = np.zeros((B, T), np.int32)
+  q_seg[:, 30:60] = 1
+  q_seg[:, 60:] = 7                                    # no key has segment 7
+  kv_seg = np.zeros((B, S), np.int32)
+  kv_seg[:, 40:] = 1
+  kw = dict(is_causal=True, local_window_size=(40, 0), logits_soft_cap=5.0,
+            segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)),
+            query_seq_lengths=jnp.asarray([70, 0], jnp.int32),
+            key_value_seq_lengths=jnp.asarray([50, 80], jnp.int32))
+  impl = api.get_implementation("mosaic_gpu")
+  cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD, **kw)
+  calls = []
+  kernel = mb.flash_backward
+  monkeypatch.setattr(mb, "flash_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
+  assert calls, "the opt-in must run the Mosaic GPU backward"
+  for g in got:
+    assert np.isfinite(np.asarray(g, np.float32)).all()
+  assert (np.asarray(got[0], np.float32)[1] == 0).all()           # query length 0
+  _check_grads(got, q, k, v, do, **kw)
+
+
+def test_interpreted_nan_in_a_query_reaches_its_row_and_the_keys_it_sees():
+  q, k, v, do = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)
+  q = q.at[0, 3, 0, 0].set(jnp.nan)           # row 3 sees keys 0..3 (causal)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  dq, dk, dv = (np.asarray(g, np.float32) for g in mb.flash_backward(
+      q, k, v, out, lse, do, scale=0.125, opts=MaskOptions(is_causal=True), interpret=True))
+  row_nan = lambda x: np.isnan(x).any(axis=-1)[0, :, 0]
+  assert row_nan(dq).tolist() == [i == 3 for i in range(64)]
+  # dV_j = sum_i P_ij dO_i: a hidden key keeps P = 0 although row 3's lse is NaN. (dK =
+  # dS^T Q meets the NaN row of Q as 0 * NaN, as any matrix product.)
+  assert row_nan(dv)[:4].all() and not row_nan(dv)[4:].any()
+  assert np.isnan(dk).any()
+
+
+def _closed_form_with_dlse(q, k, v, do, dlse, scale):
+  """float64 gradients of (out, lse) with cotangents (dO, dlse), one head:
+  dS = P * (dP - (rowsum(dO * O) - dlse))."""
+  q, k, v, do = (np.asarray(x, np.float64)[0, :, 0] for x in (q, k, v, do))
+  dlse = np.asarray(dlse, np.float64)[0, 0]
+  s = scale * q @ k.T
+  p = np.exp(s - s.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  out = p @ v
+  ds = p * (do @ v.T - ((do * out).sum(1) - dlse)[:, None])
+  return [x[None, :, None] for x in (scale * ds @ k, scale * ds.T @ q, p.T @ do)]
+
+
+def test_interpreted_negative_scale_and_lse_cotangent():
+  """A scale < 0 (applied to the logits before the exponent) and a cotangent on lse
+  (folded into delta), against the float64 closed form under the 2x rule."""
+  q, k, v, do = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=6)
+  dlse = jnp.asarray(np.random.default_rng(7).standard_normal((1, 1, 64)), jnp.float32)
+  scale = -0.2
+  (out, lse), vjp = jax.vjp(lambda q, k, v: jflash.attention(
+      q, k, v, scale=scale, implementation="xla", return_residuals=True), q, k, v)
+  plain = vjp((do, dlse))
+  got = mb.flash_backward(q, k, v, out, lse, do, dlse, scale=scale, interpret=True)
+  ref = _closed_form_with_dlse(q, k, v, do, dlse, scale)
+  for name, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
+    err, err_plain = max_err(g, t), max_err(p, t)
+    assert err <= 2 * err_plain + error_floor(q.dtype, t, 64), (name, err, err_plain)
+
+
+def test_second_order_gradients_are_refused():
+  q, k, v = random_qkv((1, 16, 16, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
+  impl = api.get_implementation("mosaic_gpu")
+  cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD)
+  loss = lambda q: api._flash(q, k, v, masks, impl, cfg)[0].astype(jnp.float32).sum()
+  with pytest.raises(NotImplementedError, match="mosaic_gpu .* has no derivative of its own"):
+    jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
