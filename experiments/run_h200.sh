@@ -57,6 +57,11 @@ $py -c "import jax; d = jax.devices()[0]; print('jax', jax.__version__, d, d.dev
 # leaves out the Mosaic GPU check when its kernel is unchanged since its committed run.
 step pallas_check $(( $(left) * 25 / 100 )) $py -m experiments.pallas_check --out-dir "$out" \
   ${check_flags[@]+"${check_flags[@]}"} ${PALLAS_CHECK_ARGS:-}
+# MOSAIC_BACKWARD_CHECK=1 also checks (and times) the opt-in Mosaic GPU backward.
+if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
+  step mosaic_backward_check $(( $(left) * 20 / 100 )) $py -m experiments.mosaic_check \
+    --backward --out-dir "$out"
+fi
 if [ -f experiments/mosaic_check.py ] && [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
   mosaic_flags=()
   $py -m experiments.mosaic_check --help 2>/dev/null | grep -q -- "--out-dir" && mosaic_flags=(--out-dir "$out")
