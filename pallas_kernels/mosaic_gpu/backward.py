@@ -41,8 +41,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (DTYPES, LOG2E, SEMANTICS, _load_vector,
-                                               _plgpu)
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, _load_vector, _plgpu,
+                                               check_head_dim_and_dtype, compiler_params,
+                                               pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -71,13 +72,7 @@ class BackwardConfig:
 
 def check_supported(q, k, v):
   """Raises NotImplementedError naming what these kernels cannot run."""
-  H = q.shape[-1]
-  if H not in HEAD_DIMS:
-    raise NotImplementedError(
-        f"the Mosaic GPU backward supports head_dim in {HEAD_DIMS}, got {H}")
-  if not any(q.dtype == d for d in DTYPES):
-    raise NotImplementedError(
-        f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
+  check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
 
 
 class _Products:
@@ -303,13 +298,6 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret):
   _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
 
 
-def _compiler_params(config: BackwardConfig):
-  plgpu = _plgpu()
-  semantics = {"lane": plgpu.LoweringSemantics.Lane,
-               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
-  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
-
-
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                    opts: MaskOptions | None = None, ops: MaskOperands | None = None,
                    config: BackwardConfig | None = None, interpret: bool = False):
@@ -330,22 +318,16 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   group = N // K
   lse2, delta = backward_statistics(lse, out, dout, dlse)      # [B, N, T] float32
 
-  def pad(x, n, axis, fill=0):
-    if x.shape[axis] == n:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=fill)
-
   def padded(bq, bk):
     """Whole tiles in memory. Padded query rows have lse2 = +inf (P = 0) and dO = 0;
     padded keys are masked in the last key tile (never FULL) by the key length."""
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
-    x = dict(q=pad(q, Tp, 1), k=pad(k, Sp, 1), v=pad(v, Sp, 1), do=pad(dout, Tp, 1),
-             lse2=pad(lse2, Tp, 2, jnp.inf), delta=pad(delta, Tp, 2))
+    x = dict(q=pad_axis(q, Tp, 1), k=pad_axis(k, Sp, 1), v=pad_axis(v, Sp, 1),
+             do=pad_axis(dout, Tp, 1), lse2=pad_axis(lse2, Tp, 2, jnp.inf),
+             delta=pad_axis(delta, Tp, 2))
     if ops.q_segment_ids is not None:   # padded with ids that match nothing
-      x["q_seg"] = pad(ops.q_segment_ids, Tp, 1, FILL["q_seg"])
-      x["kv_seg"] = pad(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])
+      x["q_seg"] = pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"])
+      x["kv_seg"] = pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])
     return Tp, Sp, x
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -371,7 +353,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
         functools.partial(kernel, names=names, opts=opts, scale=scale, group=group,
                           interpret=interpret),
         out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
-        grid_names=grid_names, compiler_params=_compiler_params(config), **extra)(*args)
+        grid_names=grid_names, compiler_params=compiler_params(config.semantics), **extra)(*args)
 
   # -- dK, dV: key tiles of ROWS rows, query tiles of block_n rows
   bq, bk = config.block_n, ROWS

@@ -104,15 +104,31 @@ def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
   return q + kv + CONSUMERS * config.block_q * 4
 
 
-def check_supported(q, k, v, config: MosaicConfig | None = None):
-  """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
+def check_head_dim_and_dtype(q, head_dims, what: str):
+  """NotImplementedError naming a head_dim outside `head_dims` or a dtype other than
+  bf16/fp16, for the kernel called `what`."""
   H = q.shape[-1]
-  if H not in HEAD_DIMS:
-    raise NotImplementedError(
-        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {H}")
+  if H not in head_dims:
+    raise NotImplementedError(f"the Mosaic GPU {what} supports head_dim in {head_dims}, got {H}")
   if not any(q.dtype == d for d in DTYPES):
     raise NotImplementedError(
-        f"the Mosaic GPU forward supports bfloat16 and float16, got {q.dtype}")
+        f"the Mosaic GPU {what} supports bfloat16 and float16, got {q.dtype}")
+
+
+def pad_axis(x, n: int, axis: int, fill=0):
+  """x zero-padded (or `fill`-padded) along `axis` to length n: whole tiles in memory,
+  since the copy engine's stores do not clip at the array's end."""
+  if x.shape[axis] == n:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def check_supported(q, k, v, config: MosaicConfig | None = None):
+  """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
+  check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
+  H = q.shape[-1]
   config = config or default_config(H)
   need = smem_bytes(H, q.dtype.itemsize, config)
   if need > SMEM_BYTES:
@@ -349,11 +365,12 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     lax.fori_loop(jnp.maximum(0, total - stages), total, drain, None)
 
 
-def compiler_params(config: MosaicConfig):
-  """approx_math: exp2 and tanh from the multi-function unit's approximations."""
+def compiler_params(semantics: str):
+  """approx_math: exp2 and tanh from the multi-function unit's approximations;
+  `semantics` ("lane" or "warpgroup") pinned, since jax 0.11 changed the default."""
   plgpu = _plgpu()
   semantics = {"lane": plgpu.LoweringSemantics.Lane,
-               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
+               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[semantics]
   return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
 
 
@@ -380,15 +397,12 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   # Whole tiles in memory: zero rows past T and S. Keys past S are masked in the last
   # tile (its class is never FULL); query rows past T are computed and dropped. (The
   # copy engine would fill loads past the end with zeros, but its stores do not clip.)
-  pad = lambda x, n: x if x.shape[1] == n else jnp.pad(
-      x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
-  qp, kp, vp = pad(q, Tp), pad(k, Sp), pad(v, Sp)
+  qp, kp, vp = pad_axis(q, Tp, 1), pad_axis(k, Sp, 1), pad_axis(v, Sp, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
   seg = {}
   if ops.q_segment_ids is not None:   # padded with ids that match nothing
-    pad_ids = lambda x, n, fill: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)
-    seg = {"q_seg": pad_ids(ops.q_segment_ids, Tp, FILL["q_seg"]),
-           "kv_seg": pad_ids(ops.kv_segment_ids, Sp, FILL["kv_seg"])}
+    seg = {"q_seg": pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"]),
+           "kv_seg": pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])}
   in_names = ["q", "k", "v", "ranges", *seg]
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
@@ -431,7 +445,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       grid_names=grid_names,
       num_threads=CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=compiler_params(config),
+      compiler_params=compiler_params(config.semantics),
       **extra,
   )(qp, kp, vp, ranges, *seg.values())
   return out[:, :T], lse[:, :, :T]
