@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.forward import mask_inputs, query_block_order
+from pallas_kernels.forward import key_tile, mask_inputs, query_block_order
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
                                     kernel_operands, tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
@@ -151,23 +151,15 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
   dq = jnp.zeros(q.shape, acc)
 
   def body(j, dq, masked):
-    col0 = j * block_k
-    cols = pl.ds(col0, block_k)
-    cols_in = common.tail(col0, S, block_k) if masked else None
-    k = common.load(r["k"].at[cols, :], cols_in, head_in)
-    v = common.load(r["v"].at[cols, :], cols_in, head_in)
-    dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
-                          if name in r else None)
+    t = key_tile(r, j, block_k=block_k, S=S, rows_in=rows_in, head_in=head_in, masked=masked)
     _, ds, ds_logits = _tile_grads(
-        q, k, v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
-        row0=row0, col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg,
-        kv_seg=(common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
-                if "kv_seg" in r else None),
-        mask_tile=dense("mask"), bias_tile=dense("bias"), seed=seed, batch=b, head=n,
+        q, t.k, t.v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
+        row0=row0, col0=t.col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=t.kv_seg,
+        mask_tile=t.mask, bias_tile=t.bias, seed=seed, batch=b, head=n,
         num_heads=num_heads, fast_exp2=fast_exp2)
     if "dbias" in r:
-      common.store(r["dbias"].at[:, cols], ds.astype(r["dbias"].dtype), rows_in, cols_in)
-    return dq + common.dot(ds_logits.astype(k.dtype), k, acc=acc, precision=precision)
+      common.store(r["dbias"].at[:, t.cols], ds.astype(r["dbias"].dtype), rows_in, t.cols_in)
+    return dq + common.dot(ds_logits.astype(t.k.dtype), t.k, acc=acc, precision=precision)
 
   if "dbias" in r:  # tiles never visited have a zero bias gradient
     def zero(j, _):

@@ -13,6 +13,7 @@ element-wise mask, and only the boundary tiles in between apply one.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,20 +44,12 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
 
   def body(j, carry, masked):
     o, m_i, l_i = carry
-    col0 = j * block_k
-    cols = pl.ds(col0, block_k)
-    # Only masked tiles can hold the key tail: a FULL tile ends inside S.
-    cols_in = common.tail(col0, S, block_k) if masked else None
-    k = common.load(r["k"].at[cols, :], cols_in, head_in)
-    v = common.load(r["v"].at[cols, :], cols_in, head_in)
-    dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
-                          if name in r else None)
+    t = key_tile(r, j, block_k=block_k, S=S, rows_in=rows_in, head_in=head_in, masked=masked)
+    k, v, col0 = t.k, t.v, t.col0
     s, _, c = tile_scores(
         q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
-        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg,
-        kv_seg=(common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
-                if "kv_seg" in r else None),
-        mask_tile=dense("mask"), bias_tile=dense("bias"))
+        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=t.kv_seg,
+        mask_tile=t.mask, bias_tile=t.bias)
     # -- update m_i and l_i (base 2: the logits are s * c, c > 0). A row with nothing
     # visible yet has m = -inf; use 0 in its place so exp2 never sees (-inf) - (-inf).
     m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))
@@ -83,6 +76,33 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
                rows_in, head_in)
   common.store(r["lse"], jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2,
                                    -jnp.inf).astype(r["lse"].dtype), rows_in)
+
+
+class KeyTile(NamedTuple):
+  col0: jax.Array          # first key of the tile
+  cols: pl.Slice           # the tile's keys
+  cols_in: jax.Array | None  # which of them exist (None: all, the tile ends inside S)
+  k: jax.Array
+  v: jax.Array
+  kv_seg: jax.Array | None
+  mask: jax.Array | None   # [bq, bk] of the dense mask, or None
+  bias: jax.Array | None
+
+
+def key_tile(r, j, *, block_k, S, rows_in, head_in, masked) -> KeyTile:
+  """Key tile j of a kernel whose program owns one query tile (the forward, dQ): K, V
+  and the per-key and per-element mask operands. Only masked tiles can hold the key
+  tail (a FULL tile ends inside S), so only their loads are masked."""
+  col0 = j * block_k
+  cols = pl.ds(col0, block_k)
+  cols_in = common.tail(col0, S, block_k) if masked else None
+  k = common.load(r["k"].at[cols, :], cols_in, head_in)
+  v = common.load(r["v"].at[cols, :], cols_in, head_in)
+  kv_seg = (common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
+            if "kv_seg" in r else None)
+  dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
+                        if name in r else None)
+  return KeyTile(col0, cols, cols_in, k, v, kv_seg, dense("mask"), dense("bias"))
 
 
 def query_block_order(num_q_blocks: int, opts: MaskOptions):
