@@ -118,25 +118,39 @@ class MosaicGPUConfig(BackendConfig):
     block_k: key/value rows per pipeline slot: 64, 128, 192 or 256.
     stages: shared-memory slots of K/V in flight (>= 2).
     persistent: one program per multiprocessor looping over the work items.
-    backward: "pallas" (default): the Triton backward kernels, verified on GPUs;
-      "mosaic_gpu": the Mosaic GPU backward kernels
-      (pallas_kernels/mosaic_gpu/backward.py), verified by lowering and by Mosaic
-      GPU's interpreter only, not yet on a GPU; head_dim 64 or 128.
+    backward: "auto" (default): the Mosaic GPU backward for grouped heads (GQA, MQA)
+      at head_dim 128, where it measured faster on the H200, else the Triton one
+      (the rule: `jflash.mosaic_impl.backward_kind`); "pallas": the Triton backward
+      kernels; "mosaic_gpu": the Mosaic GPU backward kernels
+      (pallas_kernels/mosaic_gpu/backward.py), head_dim 64 or 128.
+    backward_block_n: whenever the Mosaic GPU backward runs, the N of each of its
+      kernels' first products (query rows per tile of the dK/dV kernel, key rows per
+      tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.
+    backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
+      program: 1 (the default, the kernels timed on the H200) or 2 with a producer
+      warpgroup (warp-specialised; checked by lowering and interpretation only).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
-  backward_kinds: ClassVar[tuple[str, ...]] = ("pallas", "mosaic_gpu")
+  backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
 
   block_q: int | None = None
   block_k: int | None = None
   stages: int | None = None
   persistent: bool | None = None
-  backward: str = "pallas"
+  backward: str = "auto"
+  backward_block_n: int | None = None
+  backward_consumers: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "stages"):
+    for name in ("block_q", "block_k", "stages", "backward_block_n", "backward_consumers"):
       _check_positive(name, getattr(self, name))
     if self.backward not in self.backward_kinds:
       raise ValueError(f"backward={self.backward!r} must be one of {self.backward_kinds}")
+    if self.backward_block_n is not None and (self.backward_block_n % 64
+                                              or self.backward_block_n > 256):
+      raise ValueError(f"backward_block_n={self.backward_block_n!r} must be 64, 128, 192 or 256")
+    if self.backward_consumers not in (None, 1, 2):
+      raise ValueError(f"backward_consumers={self.backward_consumers!r} must be 1 or 2")
     if self.persistent is not None and not isinstance(self.persistent, bool):
       raise ValueError(f"persistent={self.persistent!r} must be a bool or None")

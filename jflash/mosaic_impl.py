@@ -1,9 +1,8 @@
 """"mosaic_gpu": the Hopper forward kernel on Pallas Mosaic GPU behind jflash's
-custom_vjp. The backward is, by default, the Triton ("pallas") backward, which needs
-only the residuals (q, k, v, out, lse) that this forward returns in the same form; with
-`MosaicGPUConfig(backward="mosaic_gpu")` it is the Mosaic GPU backward kernels
-(pallas_kernels/mosaic_gpu/backward.py: lowered and interpreted on a CPU, not yet run
-on a GPU), fed the same mask records as the forward.
+custom_vjp. The backward is either the Mosaic GPU backward kernels (pallas_kernels/mosaic_gpu/
+backward.py) or the Triton ("pallas") backward, both fed the residuals (q, k, v, out,
+lse) this forward returns and the same mask records; `backward_kind` picks per call
+(`MosaicGPUConfig(backward=...)` overrides).
 
 The one adapter between jflash's vocabulary and the kernel's own records: `Masks` ->
 pallas_kernels.masking's MaskOptions / MaskOperands (through `kernel_records`, the
@@ -42,14 +41,13 @@ def is_hopper(capability: str | None) -> bool:
   return capability is not None and capability.startswith("9.")
 
 
-def kernel_config(q, cfg) -> _fwd.MosaicConfig:
-  """The caller's MosaicGPUConfig over the kernel's per-head_dim default."""
-  config = _fwd.default_config(q.shape[-1])
+def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
+  """The caller's MosaicGPUConfig over the kernel's per-(head_dim, causal) default."""
+  config = _fwd.default_config(q.shape[-1], masks.is_causal)
   own = cfg.backend_config(MosaicGPUConfig)
   if own is None:
     return config
-  fields = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)
-            if f.name != "backward"}
+  fields = {name: getattr(own, name) for name in ("block_q", "block_k", "stages", "persistent")}
   return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
 
 
@@ -65,15 +63,45 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
   lacking = [name for name in masks.in_use() if name in UNSUPPORTED_MASKS]
   if lacking:
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
-  _fwd.check_supported(q, k, v, kernel_config(q, cfg))
-  if backward_kind(cfg) == "mosaic_gpu":
+  _fwd.check_supported(q, k, v, kernel_config(q, cfg, masks))
+  if backward_kind(q, k, cfg, masks) == "mosaic_gpu":
     _bwd.check_supported(q, k, v)
 
 
-def backward_kind(cfg) -> str:
-  """Which backward the caller chose: "pallas" (default) or "mosaic_gpu"."""
+def backward_config(cfg) -> _bwd.BackwardConfig:
+  """The caller's backward tiles over the Mosaic GPU backward's default."""
   own = cfg.backend_config(MosaicGPUConfig)
-  return "pallas" if own is None else own.backward
+  fields = {} if own is None else {"block_n": own.backward_block_n,
+                                   "consumers": own.backward_consumers}
+  return _bwd.BackwardConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+# The dK/dV grid size below which "auto" keeps a causal call on the Triton backward.
+CAUSAL_DKV_PROGRAMS = 1024
+
+
+def backward_kind(q, k, cfg, masks: Masks) -> str:
+  """Which backward runs: the caller's choice, or with "auto" the faster one as measured
+  on the H200 (bf16, fwd+bwd; experiments/results/mosaic_backward_time_h200.json, and
+  the backward's share of bench_attention_h200.json's fwd+bwd times):
+  - grouped heads (GQA, MQA) at head_dim 128: the Mosaic GPU backward, whose dK/dV
+    program runs the group's query heads against K and V held in shared memory (+7%
+    GQA 32/8 8K, +12% MQA 16/1 16K, +22% GQA 32/8 8K causal), unless the call is
+    causal and its dK/dV grid (batch x key heads x key tiles of 64) has fewer than
+    CAUSAL_DKV_PROGRAMS programs: a causal program's work grows with its key tile's
+    distance from the end, and one wave of a few hundred programs lasts as long as
+    the heaviest (MQA 16/1 16K causal: 256 programs, 0.89x the Triton backward);
+  - one key head per query head: the Triton backward (the Mosaic GPU one measured
+    0.86x at 1K, 0.94x at 4K and 16K causal, level at 16K);
+  - head_dim 64 (0.88x) and 256 (not supported): the Triton backward."""
+  own = cfg.backend_config(MosaicGPUConfig)
+  if own is not None and own.backward != "auto":
+    return own.backward
+  B, S, K, H = k.shape
+  grouped = q.shape[2] > K
+  programs = B * K * -(-S // _bwd.ROWS)
+  fast = H == 128 and grouped and (not masks.is_causal or programs >= CAUSAL_DKV_PROGRAMS)
+  return "mosaic_gpu" if fast else "pallas"
 
 
 def supports(q, k, v, cfg, masks: Masks):
@@ -84,7 +112,7 @@ def supports(q, k, v, cfg, masks: Masks):
 def forward(q, k, v, cfg, masks: Masks):
   """(out, lse); interpreted by Mosaic GPU's own interpreter off the GPU (tests)."""
   interpret = jax.default_backend() != "gpu"
-  config = kernel_config(q, cfg)
+  config = kernel_config(q, cfg, masks)
 
   def fwd(q, k, v, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
@@ -101,15 +129,15 @@ def forward(q, k, v, cfg, masks: Masks):
 
 
 def backward(q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
-  """(dq, dk, dv): the Triton backward, or the Mosaic GPU one when the config asks for
-  it (interpreted by Mosaic GPU's own interpreter off the GPU, as the forward)."""
-  if backward_kind(cfg) == "pallas":
+  """(dq, dk, dv) from the backward `backward_kind` picks (the Mosaic GPU one is
+  interpreted by Mosaic GPU's own interpreter off the GPU, as the forward)."""
+  if backward_kind(q, k, cfg, masks) == "pallas":
     return pallas_impl.backward(q, k, v, out, lse, dout, dlse, cfg, masks)
   interpret = jax.default_backend() != "gpu"
 
   def bwd(q, k, v, out, lse, dout, dlse, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
     return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
-                               ops=ops, interpret=interpret)
+                               ops=ops, config=backward_config(cfg), interpret=interpret)
   return first_order_only(bwd, "the mosaic_gpu backward kernels")(
       q, k, v, out, lse, dout, dlse, masks)

@@ -85,7 +85,9 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
   # Its own config over the per-head_dim default; one that overflows shared memory
   # is refused (and a sequence of implementations moves on).
   cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(block_k=64, stages=3))
-  assert mosaic_impl.kernel_config(q, cfg) == mf.MosaicConfig(64, 64, 3)
+  assert mosaic_impl.kernel_config(q, cfg, masks) == mf.MosaicConfig(64, 64, 3, persistent=True)
+  causal = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(stages=3))
+  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(128, 64, 3)
   q256, k256, v256 = _qkv(256)
   big = _prepared(q256, k256, v256, config=jflash.MosaicGPUConfig(block_k=256, stages=4))
   with pytest.raises(NotImplementedError, match="shared memory"):
@@ -131,7 +133,8 @@ def test_tile_validation(kw, bad):
 
 def test_default_tiles_fit_shared_memory():
   for H in mf.HEAD_DIMS:
-    assert mf.smem_bytes(H, 2, mf.default_config(H)) <= mf.SMEM_BYTES
+    for causal in (False, True):
+      assert mf.smem_bytes(H, 2, mf.default_config(H, causal)) <= mf.SMEM_BYTES
   with pytest.raises(NotImplementedError, match="shared memory"):
     q, k, v = _qkv(256)
     mf.check_supported(q, k, v, mf.MosaicConfig(64, 256, 4))
@@ -140,7 +143,7 @@ def test_default_tiles_fit_shared_memory():
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
 
 def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16,
-             num_sms=None):
+             num_sms=132):   # the persistent grid's size, as on an H100/H200
   q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
   k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
 
@@ -184,8 +187,7 @@ def test_lowers_under_warpgroup_semantics(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_persistent(causal):
   config = mf.MosaicConfig(64, 128, 2, persistent=True)
-  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config,
-                                  num_sms=132)
+  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
 def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
@@ -224,18 +226,21 @@ def test_interpreted_pipeline_mqa_causal_off_tile():
   _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
 
 
-def test_interpreted_persistent_grid_carries_slots_across_items():
+@pytest.mark.parametrize("causal", [False, True])
+def test_interpreted_persistent_grid_carries_slots_across_items(causal):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
-  the items' tile counts differ (batch 1 sees 40 keys: one tile)."""
+  the items' tile counts differ (batch 1 sees 40 keys: one tile). Causal takes the
+  items in the other order (batches fastest, heaviest query block first)."""
   B, T, S = 2, 130, 150
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
   kv_len = jnp.asarray([150, 40], jnp.int32)
-  _, ops = kernel_records(Masks(kv_lengths=kv_len), B=B, T=T, S=S)   # lengths + their schedule
+  opts, ops = kernel_records(Masks(is_causal=causal, kv_lengths=kv_len), B=B, T=T, S=S)
   config = mf.MosaicConfig(64, 64, 3, persistent=True)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, ops=ops, config=config, interpret=True,
-                              num_sms=3)
-  _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
+                              interpret=True, num_sms=3)
+  _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
+                           is_causal=causal)
 
 
 def test_interpreted_masks_through_the_adapter():
@@ -264,7 +269,7 @@ def test_interpreted_gradient_through_the_triton_backward():
   feeding the Triton backward: gradients within the rule against the float64 closed form."""
   q, k, v, do = random_qkv((1, 64, 80, 2, 1, 64), jnp.bfloat16, seed=5)
   impl = api.get_implementation("mosaic_gpu")
-  cfg, masks = _prepared(q, k, v, is_causal=True)
+  cfg, masks = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(backward="pallas"))
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   plain = jax.vjp(lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
                                                    implementation="xla"), q, k, v)[1](do)

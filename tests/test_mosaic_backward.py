@@ -1,6 +1,6 @@
 """The Mosaic GPU backward (pallas_kernels/mosaic_gpu/backward.py) on a CPU.
 
-It has not run on a GPU; what is checked here:
+On the H200 it is checked by `python -m experiments.mosaic_check --backward`; here:
 - lowering: both kernels lower to the Mosaic GPU dialect for CUDA (cross-platform
   lowering; nothing runs), for head_dim 64 and 128, causal and not, every mask path;
 - interpretation: the kernels run by Mosaic GPU's own interpreter (simulated shared
@@ -8,7 +8,7 @@ It has not run on a GPU; what is checked here:
   The interpreter has no in-register or transposed matrix-product operands and no layout
   casts, so there the four products are plain dots; the schedule, the loads, masks,
   tails, the GQA head loop and the NaN rules are the kernels' own;
-- the opt-in `MosaicGPUConfig(backward="mosaic_gpu")` and its validation.
+- which backward runs (`MosaicGPUConfig(backward=...)`, "auto" by default) and the validation.
 """
 from __future__ import annotations
 
@@ -30,18 +30,41 @@ MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
 
 # -- configuration -------------------------------------------------------------------------
 
-def test_backward_is_opt_in_and_validated():
+def test_backward_choice_and_validation():
   q, k, v = random_qkv((1, 16, 16, 2, 1, 64), jnp.bfloat16)[:3]
-  assert mosaic_impl.backward_kind(jflash.prepare(q, k, v)[0]) == "pallas"
+  kind = lambda q, k, v, **kw: mosaic_impl.backward_kind(q, k, *jflash.prepare(q, k, v, **kw))
+  # "auto": the Mosaic GPU backward for grouped heads at head_dim 128, unless a causal
+  # dK/dV grid is small
+  assert kind(q, k, v) == "pallas"                                   # head_dim 64
+  q128, k128, v128 = random_qkv((1, 64, 64, 2, 1, 128), jnp.bfloat16)[:3]
+  assert kind(q128, k128, v128) == "mosaic_gpu"
+  assert kind(q128, k128, v128, is_causal=True) == "pallas"        # 1 x 1 x 1 programs
+  assert kind(q128, q128, q128) == "pallas"                         # one key head per head
+  S = 64 * mosaic_impl.CAUSAL_DKV_PROGRAMS
+  big_q = jax.ShapeDtypeStruct((1, S, 2, 128), jnp.bfloat16)
+  big_k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+  cfg = jflash.prepare(q128, k128, v128, is_causal=True)
+  assert mosaic_impl.backward_kind(big_q, big_k, *cfg) == "mosaic_gpu"
+  assert kind(q128, k128, v128, config=jflash.MosaicGPUConfig(backward="pallas")) == "pallas"
   cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD)
-  assert mosaic_impl.backward_kind(cfg) == "mosaic_gpu"
+  assert mosaic_impl.backward_kind(q, k, cfg, masks) == "mosaic_gpu"
   mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
   with pytest.raises(ValueError, match="backward='triton'"):
     jflash.MosaicGPUConfig(backward="triton")
   with pytest.raises(ValueError, match="block_n=96"):
     mb.BackwardConfig(block_n=96)
+  tiled = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_block_n=128))[0]
+  assert mosaic_impl.backward_config(tiled) == mb.BackwardConfig(block_n=128)
+  assert mosaic_impl.kernel_config(q, tiled, masks) == mosaic_impl.kernel_config(q, cfg, masks)
   with pytest.raises(ValueError, match="semantics='auto'"):
     mb.BackwardConfig(semantics="auto")
+  with pytest.raises(ValueError, match="consumers=3"):
+    mb.BackwardConfig(consumers=3)
+  with pytest.raises(ValueError, match="backward_consumers=3"):
+    jflash.MosaicGPUConfig(backward_consumers=3)
+  with pytest.raises(ValueError, match="backward_block_n=96"):
+    jflash.MosaicGPUConfig(backward_block_n=96)
 
 
 def test_head_dim_256_is_refused_only_with_the_mosaic_backward():
@@ -99,6 +122,14 @@ def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
                                   config=mb.BackwardConfig(semantics="warpgroup"))
 
 
+@pytest.mark.parametrize("H", mb.HEAD_DIMS)
+def test_lowers_warp_specialised(H):
+  """Two consumer warpgroups and a producer, every mask path, both kernels."""
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mb.BackwardConfig(consumers=2)
+  assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
+
+
 # -- the kernels under Mosaic GPU's interpreter ----------------------------------------------
 
 def _check_grads(got, q, k, v, do, **kw):
@@ -117,23 +148,28 @@ def _check_grads(got, q, k, v, do, **kw):
     assert err <= 2 * err_plain + error_floor(q.dtype, t, n), (name, err, err_plain)
 
 
-def test_interpreted_gqa_causal_with_tails():
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_interpreted_gqa_causal_with_tails(consumers):
   """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
-  transposed schedule in dK/dV and from the plain one in dQ."""
+  transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
+  64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
+  the shared tiles through 3 slots, and every barrier phase is observed."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, 64), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
-  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125,
+  config = mb.BackwardConfig(consumers=consumers, stages=3)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 
-def test_interpreted_masks_through_the_adapter(monkeypatch):
-  """The opt-in through jflash's custom_vjp (Mosaic GPU forward and backward, both
+@pytest.mark.parametrize("consumers", [None, 2])
+def test_interpreted_masks_through_the_adapter(monkeypatch, consumers):
+  """The Mosaic GPU backward through jflash's custom_vjp (forward and backward, both
   interpreted): window, segments (one query segment sees no key), soft cap, key and
-  query lengths including 0; T != S; fp16."""
+  query lengths including 0; T != S; fp16; one consumer warpgroup or two."""
   B, T, S = 2, 70, 80
   q, k, v, do = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)
   q_seg = np.zeros((B, T), np.int32)
@@ -146,12 +182,14 @@ def test_interpreted_masks_through_the_adapter(monkeypatch):
             query_seq_lengths=jnp.asarray([70, 0], jnp.int32),
             key_value_seq_lengths=jnp.asarray([50, 80], jnp.int32))
   impl = api.get_implementation("mosaic_gpu")
-  cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD, **kw)
+  config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers)
+  cfg, masks = jflash.prepare(q, k, v, config=config, **kw)
+  assert mosaic_impl.backward_config(cfg).consumers == (consumers or 1)
   calls = []
   kernel = mb.flash_backward
   monkeypatch.setattr(mb, "flash_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
-  assert calls, "the opt-in must run the Mosaic GPU backward"
+  assert calls, "backward='mosaic_gpu' must run the Mosaic GPU backward"
   for g in got:
     assert np.isfinite(np.asarray(g, np.float32)).all()
   assert (np.asarray(got[0], np.float32)[1] == 0).all()           # query length 0

@@ -1,6 +1,7 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
-(dq, dk, dv). NOT YET RUN ON A GPU: verified by lowering to the Mosaic GPU dialect on a
-CPU and by Mosaic GPU's own interpreter only (see experiments/results/mosaic_notes.md).
+(dq, dk, dv). Checked on the H200 against float64 (experiments/results/
+mosaic_backward_check_h200.json) and, on a CPU, by lowering and by Mosaic GPU's own
+interpreter (tests/test_mosaic_backward.py).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
 Algorithm 2): P = exp2(s * c - lse2) is recomputed from the base-2 log-sum-exp,
@@ -17,10 +18,11 @@ tile's copies are issued before this tile's products):
   memory; a runtime loop over the query heads of the GQA group and, inside, over the
   query tiles of the transposed per-tile schedule (`build_ranges(..., transpose=True)`)
   computes S^T = K Q^T and dP^T = V dO^T, so that P^T and dS'^T enter dV += P^T dO and
-  dK += dS'^T Q as register operands straight from the accumulator. dK/dV sum in
-  registers: no atomics, deterministic.
+  dK += dS'^T Q as register operands straight from the accumulator. The dV product is
+  issued right behind dP^T and runs while dS'^T is computed (FlashAttention-3's
+  backward overlap). dK/dV sum in accumulator registers: no atomics, deterministic.
 - dQ: grid over (query tiles, query heads, batch), looping over the visited key tiles:
-  S = Q K^T and dP = dO V^T back to back, then dQ += dS' K.
+  S = Q K^T and dP = dO V^T issued back to back, then dQ += dS' K.
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
@@ -49,6 +51,12 @@ HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 r
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
 
 
+# Scratch of both kernels in one order (dK/dV: K, V fixed and Q, dO streamed; dQ the
+# other way round).
+_SCRATCH_ORDER = ("k_smem", "v_smem", "q_smem", "do_smem", "fixed_loaded", "loaded", "consumed",
+                  "acc")
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
   """Tiles and compile options of the Mosaic GPU backward.
@@ -58,16 +66,28 @@ class BackwardConfig:
     [64, block_n]); a multiple of 64, <= 256.
   semantics: Mosaic GPU's lowering semantics, pinned as in the forward ("lane":
     explicit register layouts, as this kernel is written).
+  consumers: warpgroups that compute, each owning 64 rows of the program's fixed
+    operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
+    tiles (the variant checked and timed on the H200). 2: a third, producer
+    warpgroup streams the tiles both consumers read, through `stages` slots
+    (FlashAttention-3's warp specialisation; checked by lowering and by Mosaic GPU's
+    interpreter only).
   """
 
   block_n: int = 64
   semantics: str = "lane"
+  consumers: int = 1
+  stages: int = 2
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
       raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     if not isinstance(self.block_n, int) or self.block_n % 64 or not 0 < self.block_n <= 256:
       raise ValueError(f"block_n={self.block_n!r} must be 64, 128, 192 or 256")
+    if self.consumers not in (1, 2):
+      raise ValueError(f"consumers={self.consumers!r} must be 1 or 2")
+    if not isinstance(self.stages, int) or self.stages < 2:
+      raise ValueError(f"stages={self.stages!r} must be an int >= 2")
 
 
 def check_supported(q, k, v):
@@ -76,35 +96,87 @@ def check_supported(q, k, v):
 
 
 class _Products:
-  """Warpgroup matrix products, or plain dots under the interpreter. `fresh` takes `a`
-  from shared memory, `add` from registers; `b` is a shared-memory ref, used as b^T
-  with `b_t` (a transposed view: no data moves)."""
+  """Warpgroup matrix products, or plain dots under the interpreter. `a` is a value in
+  registers or a shared-memory ref, `b` a shared-memory ref, used as b^T with `b_t` (a
+  transposed view: no data moves). Running sums live in `accumulators` (float32 refs:
+  the matrix-product accumulator registers on the GPU, shared memory under the
+  interpreter) and are added to asynchronously by `issue`; `wait` waits for every
+  product in flight."""
 
-  def __init__(self, interpret):
+  def __init__(self, interpret, scratch=None):
     self.interpret = interpret
+    self.scratch = scratch      # interpreter: [accumulator, consumer, rows, cols] float32
 
   @staticmethod
-  def _dot(a, b, b_t):      # a: a value, b: a shared-memory ref
-    b = b[...]
+  def _dot(a, b, b_t):
+    a, b = a[...], b[...]         # a ref or a value alike
     return jnp.dot(a, b.T if b_t else b, preferred_element_type=jnp.float32)
 
+  def _rhs(self, b, b_t):
+    return _plgpu().transpose_ref(b, (1, 0)) if b_t else b
+
   def fresh(self, a, b, shape, *, b_t=False):
-    """a @ b(^T) into a new float32 accumulator."""
+    """a @ b(^T) into a new float32 accumulator, waited for."""
+    return self.fresh_pair(a, b, None, None, shape, b_t=b_t)[0]
+
+  def fresh_pair(self, a1, b1, a2, b2, shape, *, b_t=False):
+    """(a1 @ b1(^T), a2 @ b2(^T)), issued back to back, then both waited for (the
+    second product's issue does not wait for the first's result). a2 None: one."""
     if self.interpret:
-      return self._dot(a[...], b, b_t)
+      return self._dot(a1, b1, b_t), (None if a2 is None else self._dot(a2, b2, b_t))
     plgpu = _plgpu()
 
-    def run(acc_ref):
-      plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if b_t else b)
-      return acc_ref[...]
+    def run(acc1, acc2):
+      plgpu.wgmma(acc1, a1, self._rhs(b1, b_t))
+      if a2 is not None:
+        plgpu.wgmma(acc2, a2, self._rhs(b2, b_t))
+      return acc1[...], (None if a2 is None else acc2[...])
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+  def fresh_under(self, a, b, shape, *, b_t, then):
+    """a @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
+    issued right after it and left in flight: only the first is waited for, so the
+    caller's next instructions run under the second (FlashAttention-3's overlap of
+    dP^T with the dV product in the backward)."""
+    acc, a2, b2 = then
+    if self.interpret:
+      acc[...] += self._dot(a2, b2, False)
+      return self._dot(a, b, b_t)
+    plgpu = _plgpu()
+
+    def run(fresh):
+      plgpu.wgmma(fresh, a, self._rhs(b, b_t))
+      plgpu.wgmma(acc, a2, b2)
+      return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-  def add(self, acc, a, b):
-    """acc + a @ b, accumulated in place."""
+  def issue(self, acc, a, b):
+    """acc += a @ b, left in flight on the GPU."""
     if self.interpret:
-      return acc + self._dot(a, b, False)
+      acc[...] += self._dot(a, b, False)
+    else:
+      _plgpu().wgmma(acc, a, b)
+
+  def wait(self):
+    if not self.interpret:
+      _plgpu().wgmma_wait(0)
+
+  def accumulators(self, shape, count, body, consumer=0):
+    """Runs body(*refs) with `count` zeroed float32 accumulators of `shape` and returns
+    their final values. (The interpreter allocates shared memory only for all
+    warpgroups at once, so there they are slices of the kernel's `scratch`.)"""
     plgpu = _plgpu()
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+    if self.interpret:
+      refs = [self.scratch.at[a, consumer] for a in range(count)]
+      for ref in refs:
+        ref[...] = jnp.zeros(shape, jnp.float32)
+      body(*refs)
+      return tuple(ref[...] for ref in refs)
+
+    def run(*refs):     # ACC scratch starts at zero
+      body(*refs)
+      return tuple(plgpu.wgmma_accumulator_load(ref) for ref in refs)
+    return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * count)
 
 
 def _logits(s, opts: MaskOptions, scale):
@@ -118,30 +190,34 @@ def _logits(s, opts: MaskOptions, scale):
   return s * scale, None, LOG2E
 
 
-def _tile_ds(s, dp, lse2, delta, *, opts, scale, keep):
-  """(P, dS') of one tile from the raw product s, dP and per-query lse2 / delta
-  (already broadcast to the tile). A hidden key has P = 0 even on a row whose lse is
-  NaN, so a NaN reaches only the gradients of the keys its row sees."""
+def _tile_p(s, lse2, *, opts, scale, keep):
+  """(P, t) of one tile from the raw product s and the per-query lse2 (broadcast to the
+  tile); t is the soft cap's tanh (for dS') or None. A hidden key has P = 0 even on a
+  row whose lse is NaN, so a NaN reaches only the gradients of the keys its row sees."""
   s, t, c = _logits(s, opts, scale)
   if keep is not None:
     s = jnp.where(keep, s, -jnp.inf)
   p = jnp.exp2(s * c - lse2)      # lse2 = +inf on rows with no visible key: P = 0
   if keep is not None:
     p = jnp.where(keep, p, 0.0)
+  return p, t
+
+
+def _tile_ds(p, t, dp, delta):
+  """dS' = P * (dP - delta), times the soft cap's derivative 1 - tanh^2."""
   ds = p * (dp - delta)
   if t is not None:
     ds = ds * (1.0 - t * t)       # d(cap tanh(x / cap)) / dx
-  return p, ds
+  return ds
 
 
 def _layouts(interpret, shape):
-  """(cast, iota, row layout, column layout) of a [rows, cols] accumulator tile."""
+  """(iota, row layout, column layout) of a [rows, cols] accumulator tile."""
   if interpret:
-    return (lambda x, layout: x), (lambda d: lax.broadcasted_iota(jnp.int32, shape, d)), None, None
+    return (lambda d: lax.broadcasted_iota(jnp.int32, shape, d)), None, None
   plgpu = _plgpu()
   wgmma = plgpu.Layout.WGMMA
-  return (plgpu.layout_cast,
-          lambda d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma),
+  return (lambda d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma),
           wgmma.reduce(1), wgmma.reduce(0))
 
 
@@ -160,7 +236,7 @@ class _Stream:
   """Two streamed operands (Q and dO, or K and V) in two shared-memory slots: the tile
   after the current one is copied into the other slot while this one is computed on
   (double buffering). The other slot held the previous tile, whose products were all
-  waited for (its accumulators were read) before the next copy is issued. Each slot's
+  waited for (`_Products.wait` at the end of each tile) before the next copy is issued. Each slot's
   barriers complete once per copy and are waited on once per tile."""
 
   def __init__(self, srcs, smems, loaded):
@@ -186,116 +262,254 @@ def _store_tile(x, smem, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret):
-  """One key tile of one key head: dK, dV summed over the group's heads and the
-  visited query tiles (S^T = K Q^T, so the tile is [keys, queries])."""
+class _Pipeline:
+  """Streamed operands in `stages` shared-memory slots between a producer warpgroup,
+  which only issues the bulk copies, and consumer warpgroups that all read every tile
+  (FlashAttention-3, section 3.1): slot t % stages holds tile t; its "loaded" barriers
+  complete when the copy engine has written it, its "consumed" barrier when every
+  consumer has released it (one arrival each). Each completion is waited on exactly
+  once: "loaded" by each consumer, "consumed" by the producer before it refills the
+  slot, or in `drain` for the last tiles."""
+
+  def __init__(self, srcs, smems, loaded, consumed, stages):
+    self.srcs, self.smems, self.stages = srcs, smems, stages
+    self.loaded, self.consumed = loaded, consumed          # loaded: [operand, slot]
+
+  def produce(self, t, *coords):
+    plgpu = _plgpu()
+    slot = lax.rem(t, self.stages)
+
+    @pl.when(t >= self.stages)        # the slot held tile t - stages: wait until released
+    def _():
+      plgpu.barrier_wait(self.consumed.at[slot])
+    for a, (src, smem) in enumerate(zip(self.srcs, self.smems)):
+      plgpu.copy_gmem_to_smem(src(*coords), smem.at[slot],
+                              self.loaded.at[a * self.stages + slot])
+
+  def acquire(self, t):
+    plgpu = _plgpu()
+    slot = lax.rem(t, self.stages)
+    for a in range(len(self.srcs)):
+      plgpu.barrier_wait(self.loaded.at[a * self.stages + slot])
+    return tuple(smem.at[slot] for smem in self.smems)
+
+  def release(self, t):
+    _plgpu().barrier_arrive(self.consumed.at[lax.rem(t, self.stages)])
+
+  def drain(self, total):
+    def wait(t, _):
+      _plgpu().barrier_wait(self.consumed.at[lax.rem(t, self.stages)])
+    lax.fori_loop(jnp.maximum(0, total - self.stages), total, wait, None)
+
+
+def _warp_specialised(wg, consumers, produce, consume):
+  """Warpgroup `consumers` runs `produce` with a small register file; the others run
+  `consume(wg)` with the registers it gives up (setmaxnreg)."""
+  plgpu = _plgpu()
+
+  @pl.when(wg == consumers)
+  def _():
+    plgpu.set_max_registers(40, action="decrease")
+    produce()
+
+  @pl.when(wg < consumers)
+  def _():
+    plgpu.set_max_registers(232, action="increase")
+    consume(wg)
+
+
+def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
+                stages):
+  """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads and
+  the visited query tiles (S^T = K Q^T, so each tile is [keys, queries]). One
+  consumer: the program's one warpgroup streams its own query tiles (double
+  buffering). Two: each consumer warpgroup owns 64 keys, and a producer warpgroup
+  streams the query tiles both read (`_Pipeline`)."""
   r = dict(zip(names, refs))
   bk = ROWS
   j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
-  k_smem, v_smem = r["k_smem"], r["v_smem"]
-  H = k_smem.shape[-1]
-  mm = _Products(interpret)
-  cast, iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
-  keys = pl.ds(j * bk, bk)
-  _load_tile(r["k"].at[b, keys, kv_head], k_smem, r["fixed_loaded"].at[0])
-  _load_tile(r["v"].at[b, keys, kv_head], v_smem, r["fixed_loaded"].at[1])
-  ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = _row(ranges, b, j)
-  kv_len = ranges[b, j, 5]
-  kv_seg = None
-  if "kv_seg" in r:
-    kv_seg = lax.broadcast_in_dim(
-        _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
+  H = r["q_smem"].shape[-1]
+  mm = _Products(interpret, r.get("acc"))
+  iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
   along_queries = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
   head = lambda g: kv_head * group + g
   # Query tiles stream in the loop order: every visited tile of head 0, then head 1, ...
-  stream = _Stream([lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
-                    lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]],
-                   [r["q_smem"], r["do_smem"]], r["loaded"])
-  pl.when(hi > lo)(lambda: stream.start(0, lo, 0))
+  srcs = [lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
+          lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]]
+  ranges = r["ranges"]
 
-  def body(i, carry, g, masked):
-    dk, dv = carry
-    n = head(g)
-    slot = lax.rem(g * (hi - lo) + i - lo, 2)
-    pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
-    pl.when((i + 1 == hi) & (g + 1 < group))(lambda: stream.start(1 - slot, lo, g + 1))
-    rows = pl.ds(i * bq, bq)
-    lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
-    delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-    keep = None
-    if masked:
-      q_seg = None
-      if kv_seg is not None:
-        q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
-      keep = structured_keep(i * bq + iota(1), j * bk + iota(0), opts, kv_len=kv_len,
-                             q_seg=q_seg, kv_seg=kv_seg)
-    q_smem, do_smem = stream.wait(slot)
-    s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
-    dp_t = mm.fresh(v_smem, do_smem, (bk, bq), b_t=True)     # dP^T = V dO^T
-    p_t, ds_t = _tile_ds(s_t, dp_t, lse2, delta, opts=opts, scale=scale, keep=keep)
-    dv = mm.add(dv, p_t.astype(do_smem.dtype), do_smem)      # dV += P^T dO
-    dk = mm.add(dk, ds_t.astype(q_smem.dtype), q_smem)       # dK += dS'^T Q
-    return dk, dv
+  def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles):
+    """dK, dV of keys [key0, key0 + 64). `tiles` = (start(lo), before(t, i, g, lo, hi),
+    acquire(t), release(t)) hand over the query tiles in loop order (t counts them);
+    start and before are None when a producer streams them."""
+    start, before, acquire, release = tiles
+    keys = pl.ds(key0, bk)
+    _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0])
+    _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])
+    lo, full_lo, full_hi, hi = _row(ranges, b, j)
+    kv_len = ranges[b, j, 5]
+    kv_seg = None
+    if "kv_seg" in r:
+      kv_seg = lax.broadcast_in_dim(
+          _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
+    if start is not None:
+      pl.when(hi > lo)(lambda: start(lo))
 
-  # The group's query heads run as a loop of the program (its size does not grow with
-  # the group); their dK/dV sum in the same registers.
-  def one_head(g, carry):
-    return visit_tiles((lo, full_lo, full_hi, hi), functools.partial(body, g=g), carry)
+    def body(i, carry, g, masked, dk_acc, dv_acc):
+      n = head(g)
+      t = g * (hi - lo) + i - lo
+      if before is not None:
+        before(t, i, g, lo, hi)
+      rows = pl.ds(i * bq, bq)
+      lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
+      delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
+      keep = None
+      if masked:
+        q_seg = None
+        if kv_seg is not None:
+          q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
+        keep = structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
+                               q_seg=q_seg, kv_seg=kv_seg)
+      q_smem, do_smem = acquire(t)
+      s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
+      p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
+      # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
+      # dV product, and dK += dS'^T Q follows it on the tensor cores.
+      dp_t = mm.fresh_under(v_smem, do_smem, (bk, bq), b_t=True,
+                            then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
+      ds_t = _tile_ds(p_t, c, dp_t, delta)
+      mm.issue(dk_acc, ds_t.astype(q_smem.dtype), q_smem)
+      mm.wait()          # this tile's slot is refilled once both products are done
+      if release is not None:
+        release(t)
+      return carry
 
-  zeros = cast(jnp.zeros((bk, H), jnp.float32), _plgpu().Layout.WGMMA if not interpret else None)
-  dk, dv = lax.fori_loop(0, group, one_head, (zeros, zeros))
-  _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
-  _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+    # The group's query heads run as a loop of the program (its size does not grow with
+    # the group); their dK/dV sum in the same accumulators.
+    def heads(dk_acc, dv_acc):
+      lax.fori_loop(0, group, lambda g, c: visit_tiles(
+          (lo, full_lo, full_hi, hi),
+          functools.partial(body, g=g, dk_acc=dk_acc, dv_acc=dv_acc), c), 0)
+
+    dk, dv = mm.accumulators((bk, H), 2, heads, wg)
+    _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
+    _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+
+  if consumers == 1:
+    stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
+
+    def before(t, i, g, lo, hi):         # copy the next tile into the other slot
+      slot = lax.rem(t, 2)
+      pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
+      pl.when((i + 1 == hi) & (g + 1 < group))(lambda: stream.start(1 - slot, lo, g + 1))
+    tiles = (lambda lo: stream.start(0, lo, 0), before,
+             lambda t: stream.wait(lax.rem(t, 2)), None)
+    fixed = r["fixed_loaded"]
+    consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
+    return
+
+  pipe = _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
+
+  def produce():
+    lo, _, _, hi = _row(ranges, b, j)
+    per_head = hi - lo
+
+    def load(t, _):
+      pipe.produce(t, lo + lax.rem(t, per_head), lax.div(t, per_head))
+    total = group * per_head
+    lax.fori_loop(0, total, load, None)
+    pipe.drain(total)
+
+  fixed = r["fixed_loaded"]
+  _warp_specialised(lax.axis_index("wg"), consumers, produce, lambda wg: consume(
+      wg, r["k_smem"].at[wg], r["v_smem"].at[wg], (fixed.at[2 * wg], fixed.at[2 * wg + 1]),
+      (j * consumers + wg) * bk, (None, None, pipe.acquire, pipe.release)))
 
 
-def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret):
-  """One query tile of one query head: dQ over the visited key tiles."""
+def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret, consumers,
+               stages):
+  """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
+  One consumer streams its own key tiles (double buffering); two share the key tiles
+  a producer warpgroup streams (`_Pipeline`), each owning 64 query rows."""
   r = dict(zip(names, refs))
   bq = ROWS
   i, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
-  q_smem, do_smem = r["q_smem"], r["do_smem"]
-  H = q_smem.shape[-1]
-  mm = _Products(interpret)
-  cast, iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
-  rows = pl.ds(i * bq, bq)
+  H = r["q_smem"].shape[-1]
+  mm = _Products(interpret, r.get("acc"))
+  iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
   kv_head = lax.div(n, jnp.int32(group))
   ranges = r["ranges"]
-  lo, full_lo, full_hi, hi = _row(ranges, b, i)
-  stream = _Stream([lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
-                    lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]],
-                   [r["k_smem"], r["v_smem"]], r["loaded"])
-  pl.when(hi > lo)(lambda: stream.start(0, lo))
-  _load_tile(r["q"].at[b, rows, n], q_smem, r["fixed_loaded"].at[0])
-  _load_tile(r["do"].at[b, rows, n], do_smem, r["fixed_loaded"].at[1])
-  along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
-  lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
-  delta = along_keys(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-  kv_len = ranges[b, i, 5]
-  q_seg = None
-  if "q_seg" in r:
-    q_seg = along_keys(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
+  srcs = [lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
+          lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]]
 
-  def body(j, dq, masked):
-    slot = lax.rem(j - lo, 2)
-    pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
-    keep = None
-    if masked:
-      kv_seg = None
-      if q_seg is not None:
-        kv_seg = lax.broadcast_in_dim(_load_vector(
-            r["kv_seg"].at[b, pl.ds(j * bk, bk)], key_layout, interpret), (bq, bk), [1])
-      keep = structured_keep(i * bq + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
-                             q_seg=q_seg, kv_seg=kv_seg)
-    k_smem, v_smem = stream.wait(slot)
-    s = mm.fresh(q_smem, k_smem, (bq, bk), b_t=True)          # S = Q K^T
-    dp = mm.fresh(do_smem, v_smem, (bq, bk), b_t=True)        # dP = dO V^T
-    _, ds = _tile_ds(s, dp, lse2, delta, opts=opts, scale=scale, keep=keep)
-    return mm.add(dq, ds.astype(k_smem.dtype), k_smem)        # dQ += dS' K
+  def consume(wg, q_smem, do_smem, fixed_loaded, row0, tiles):
+    """dQ of query rows [row0, row0 + 64). `tiles` = (start(lo), before(t, j, hi),
+    acquire(t), release(t)) hand over the key tiles (t counts them); start and before
+    are None when a producer streams them."""
+    start, before, acquire, release = tiles
+    rows = pl.ds(row0, bq)
+    lo, full_lo, full_hi, hi = _row(ranges, b, i)
+    if start is not None:
+      pl.when(hi > lo)(lambda: start(lo))
+    _load_tile(r["q"].at[b, rows, n], q_smem, fixed_loaded[0])
+    _load_tile(r["do"].at[b, rows, n], do_smem, fixed_loaded[1])
+    along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
+    lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
+    delta = along_keys(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
+    kv_len = ranges[b, i, 5]
+    q_seg = None
+    if "q_seg" in r:
+      q_seg = along_keys(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
 
-  dq = cast(jnp.zeros((bq, H), jnp.float32), _plgpu().Layout.WGMMA if not interpret else None)
-  dq = visit_tiles((lo, full_lo, full_hi, hi), body, dq)
-  _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
+    def body(j, carry, masked, dq_acc):
+      t = j - lo
+      if before is not None:
+        before(t, j, hi)
+      keep = None
+      if masked:
+        kv_seg = None
+        if q_seg is not None:
+          kv_seg = lax.broadcast_in_dim(_load_vector(
+              r["kv_seg"].at[b, pl.ds(j * bk, bk)], key_layout, interpret), (bq, bk), [1])
+        keep = structured_keep(row0 + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
+                               q_seg=q_seg, kv_seg=kv_seg)
+      k_smem, v_smem = acquire(t)
+      s, dp = mm.fresh_pair(q_smem, k_smem, do_smem, v_smem, (bq, bk), b_t=True)  # QK^T, dO V^T
+      p, c = _tile_p(s, lse2, opts=opts, scale=scale, keep=keep)
+      mm.issue(dq_acc, _tile_ds(p, c, dp, delta).astype(k_smem.dtype), k_smem)  # dQ += dS' K
+      mm.wait()          # this tile's slot is refilled once the product is done
+      if release is not None:
+        release(t)
+      return carry
+
+    (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
+        (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
+    _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
+
+  if consumers == 1:
+    stream = _Stream(srcs, [r["k_smem"], r["v_smem"]], r["loaded"])
+
+    def before(t, j, hi):                # copy the next tile into the other slot
+      slot = lax.rem(t, 2)
+      pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
+
+    fixed = r["fixed_loaded"]
+    consume(0, r["q_smem"], r["do_smem"], (fixed.at[0], fixed.at[1]), i * bq,
+            (lambda lo: stream.start(0, lo), before, lambda t: stream.wait(lax.rem(t, 2)),
+             None))
+    return
+
+  pipe = _Pipeline(srcs, [r["k_smem"], r["v_smem"]], r["loaded"], r["consumed"], stages)
+
+  def produce():
+    lo, _, _, hi = _row(ranges, b, i)
+    lax.fori_loop(0, hi - lo, lambda t, _: pipe.produce(t, lo + t), None)
+    pipe.drain(hi - lo)
+
+  fixed = r["fixed_loaded"]
+  _warp_specialised(lax.axis_index("wg"), consumers, produce, lambda wg: consume(
+      wg, r["q_smem"].at[wg], r["do_smem"].at[wg], (fixed.at[2 * wg], fixed.at[2 * wg + 1]),
+      (i * consumers + wg) * bq, (None, None, pipe.acquire, pipe.release)))
 
 
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
@@ -336,13 +550,27 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     extra["interpret"] = InterpretGPUParams()
 
-  def call(kernel, grid, grid_names, x, ranges, tiles, out_type):
-    # tiles: name -> (slots, rows); the streamed ones have two slots.
-    scratch = dict(**{name: plgpu.SMEM((rows, H) if slots == 1 else (slots, rows, H), q.dtype,
-                                       **swizzled)
-                      for name, (slots, rows) in tiles.items()},
-                   fixed_loaded=plgpu.Barrier(num_barriers=2),
-                   loaded=plgpu.Barrier(num_barriers=4))
+  C, stages = config.consumers, config.stages
+
+  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type):
+    """fixed / streamed: the names of the two operands each consumer keeps / the two
+    that stream through the slots, with their rows."""
+    (f1, f2), fixed_rows = fixed
+    (s1, s2), stream_rows = streamed
+    per_consumer = (fixed_rows, H) if C == 1 else (C, fixed_rows, H)
+    slots = 2 if C == 1 else stages
+    smem = lambda shape: plgpu.SMEM(shape, q.dtype, **swizzled)
+    scratch = {f1: smem(per_consumer), f2: smem(per_consumer),
+               s1: smem((slots, stream_rows, H)), s2: smem((slots, stream_rows, H)),
+               "fixed_loaded": plgpu.Barrier(num_barriers=2 * C),
+               "loaded": plgpu.Barrier(num_barriers=2 * slots)}
+    threads = {}
+    if C > 1:      # consumers + the producer warpgroup
+      scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
+      threads = dict(num_threads=C + 1, thread_name="wg")
+    if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
+      scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
+    scratch = {name: scratch[name] for name in sorted(scratch, key=_SCRATCH_ORDER.index)}
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
@@ -351,25 +579,25 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     args.insert(in_names.index("ranges"), ranges)
     return plgpu.kernel(
         functools.partial(kernel, names=names, opts=opts, scale=scale, group=group,
-                          interpret=interpret),
+                          interpret=interpret, consumers=C, stages=slots),
         out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
-        grid_names=grid_names, compiler_params=compiler_params(config.semantics), **extra)(*args)
+        grid_names=grid_names, compiler_params=compiler_params(config.semantics),
+        **threads, **extra)(*args)
 
-  # -- dK, dV: key tiles of ROWS rows, query tiles of block_n rows
-  bq, bk = config.block_n, ROWS
+  # -- dK, dV: C x ROWS keys per program, query tiles of block_n rows
+  bq, bk = config.block_n, C * ROWS
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   kv_type = jax.ShapeDtypeStruct((B, Sp, K, H), k.dtype)
   dk, dv = call(functools.partial(_dkv_kernel, bq=bq), (Sp // bk, K, B),
-                ("kv", "heads", "batch"), x, ranges,
-                dict(k_smem=(1, bk), v_smem=(1, bk), q_smem=(2, bq), do_smem=(2, bq)), [kv_type, kv_type])
+                ("kv", "heads", "batch"), x, ranges, (("k_smem", "v_smem"), ROWS),
+                (("q_smem", "do_smem"), bq), [kv_type, kv_type])
 
-  # -- dQ: query tiles of ROWS rows, key tiles of block_n rows
-  bq, bk = ROWS, config.block_n
+  # -- dQ: C x ROWS query rows per program, key tiles of block_n rows
+  bq, bk = C * ROWS, config.block_n
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk), (Tp // bq, N, B),
-               ("q", "heads", "batch"), x, ranges,
-               dict(q_smem=(1, bq), do_smem=(1, bq), k_smem=(2, bk), v_smem=(2, bk)),
-               [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)])
+               ("q", "heads", "batch"), x, ranges, (("q_smem", "do_smem"), ROWS),
+               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)])
   return dq[:, :T], dk[:, :S], dv[:, :S]

@@ -83,25 +83,49 @@ class MosaicConfig:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
 
 
-# Per head_dim, after the public Hopper references (JAX attention_mgpu, tokamax sm90):
-# key tiles of 128 with 2-3 slots at d <= 128, 64 at d = 256, where a 128-row K and V
-# slot pair alone would take 128 KiB of the 227 KiB.
-_TABLE = {64: MosaicConfig(64, 128, 3), 128: MosaicConfig(64, 128, 2),
-          256: MosaicConfig(64, 64, 2)}
+# Per (head_dim, causal), from the tile sweep on the H200 (bf16, jax 0.11.2;
+# experiments/results/mosaic_sweep_h200.json and mosaic_sweep2_h200.json, forward TF/s
+# against cuDNN in the same process):
+# - without a causal mask every work item costs the same, and the persistent grid wins
+#   at every head_dim (16K d128 0.95 -> 0.99x cuDNN, 4K d64 0.85 -> 0.99x, 4K d256
+#   0.88 -> 0.93x): the next item's K/V loads run under this item's last tiles and
+#   output store, and there is no partial last wave;
+# - with one, items differ in cost up to T / (2 block_q) times; the hardware's dynamic
+#   block scheduler over a heaviest-first grid balanced them better than the static
+#   split of the persistent grid at 16K d128 (1.04x against 0.97x) and with the d = 64
+#   table tiles (0.92x against 0.85x; with 64 x 128 tiles the persistent grid was the
+#   faster, 0.90x against 0.88x);
+# - key tiles of 128 at d <= 128: 64 was slower in every cell (0.71-0.89x), 192 level
+#   at best (16K d128 persistent 607 against 604 TF/s) and slower elsewhere; 64 at
+#   d = 256, where a 128-row K and V slot pair alone would take 128 KiB of the 227 KiB;
+#   at d = 64 causal, 128 query rows per consumer with key tiles of 64 (0.92x against
+#   0.87x): twice the rows per barrier round trip, the same 64 x 64 S tile in registers.
+_TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
+          (64, True): MosaicConfig(128, 64, 2),
+          (128, False): MosaicConfig(64, 128, 2, persistent=True),
+          (128, True): MosaicConfig(64, 128, 2),
+          (256, False): MosaicConfig(64, 64, 2, persistent=True),
+          (256, True): MosaicConfig(64, 64, 2)}
 
 
-def default_config(head_dim: int) -> MosaicConfig:
-  if head_dim not in _TABLE:
+def default_config(head_dim: int, causal: bool = False) -> MosaicConfig:
+  if head_dim not in HEAD_DIMS:
     raise NotImplementedError(
         f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
-  return _TABLE[head_dim]
+  return _TABLE[head_dim, bool(causal)]
+
+
+# Shared memory beside the tiles: the mbarriers (8 bytes each) and the alignment of
+# each swizzled buffer to its 1024-byte swizzle atom.
+SMEM_SLACK = 1024
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
-  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows."""
+  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows, slack.
+  (The compile reserves no reduction scratch: `compiler_params`.)"""
   q = CONSUMERS * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
-  return q + kv + CONSUMERS * config.block_q * 4
+  return q + kv + CONSUMERS * config.block_q * 4 + SMEM_SLACK
 
 
 def check_head_dim_and_dtype(q, head_dims, what: str):
@@ -129,11 +153,12 @@ def check_supported(q, k, v, config: MosaicConfig | None = None):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
   H = q.shape[-1]
-  config = config or default_config(H)
-  need = smem_bytes(H, q.dtype.itemsize, config)
-  if need > SMEM_BYTES:
-    raise NotImplementedError(
-        f"{config} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+  configs = [config] if config else [default_config(H, c) for c in (False, True)]
+  for config in configs:
+    need = smem_bytes(H, q.dtype.itemsize, config)
+    if need > SMEM_BYTES:
+      raise NotImplementedError(
+          f"{config} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
 
 
 def _plgpu():
@@ -186,12 +211,22 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     if num_ctas is None:     # one item per program
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None)
-    cta = lax.axis_index("sm")  # persistent: items cta, cta + num_ctas, ...; query blocks fastest
+    cta = lax.axis_index("sm")  # persistent: items cta, cta + num_ctas, ...
+    heads_batch = num_items // num_q_blocks
 
     def coords_of(w):
-      head_batch = lax.div(w, jnp.int32(num_q_blocks))
-      return (block_of(lax.rem(w, jnp.int32(num_q_blocks))),
-              lax.rem(head_batch, jnp.int32(num_heads)), lax.div(head_batch, jnp.int32(num_heads)))
+      if opts.is_causal:
+        # (head, batch) fastest, query blocks from the heaviest: each round of num_ctas
+        # items costs about the same in every program, the static form of longest-
+        # processing-time-first. With query blocks fastest one program would take the
+        # heaviest block of every head and another the lightest.
+        level, head_batch = lax.div(w, jnp.int32(heads_batch)), lax.rem(w, jnp.int32(heads_batch))
+      else:
+        # Query blocks fastest: programs running at once read the same head's K and V
+        # (shared through L2).
+        level, head_batch = lax.rem(w, jnp.int32(num_q_blocks)), lax.div(w, jnp.int32(num_q_blocks))
+      return (block_of(level), lax.rem(head_batch, jnp.int32(num_heads)),
+              lax.div(head_batch, jnp.int32(num_heads)))
 
     def step(t, tiles):
       return item(coords_of(cta + t * num_ctas), tiles)
@@ -367,11 +402,15 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
 def compiler_params(semantics: str):
   """approx_math: exp2 and tanh from the multi-function unit's approximations;
-  `semantics` ("lane" or "warpgroup") pinned, since jax 0.11 changed the default."""
+  `semantics` ("lane" or "warpgroup") pinned, since jax 0.11 changed the default;
+  no shared-memory scratch for reductions: every reduction here is along the rows of
+  a warpgroup matrix-product tile, whose elements sit in the four lanes of one quad
+  (PTX ISA, wgmma register fragments), so it needs only warp shuffles."""
   plgpu = _plgpu()
   semantics = {"lane": plgpu.LoweringSemantics.Lane,
                "warpgroup": plgpu.LoweringSemantics.Warpgroup}[semantics]
-  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
+  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
+                              reduction_scratch_bytes=0)
 
 
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
@@ -386,10 +425,10 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   ops = ops or MaskOperands()
   if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
     raise NotImplementedError("the Mosaic GPU forward has no dense mask, bias or dropout")
+  config = config or default_config(q.shape[-1], opts.is_causal)
   check_supported(q, k, v, config)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  config = config or default_config(H)
   bq, bk = config.block_q, config.block_k
   rows_per_program = CONSUMERS * bq
   Tp = -(-T // rows_per_program) * rows_per_program
@@ -425,7 +464,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   grid, grid_names, num_ctas = (num_q_blocks, N, B), ("q", "heads", "batch"), None
   if config.persistent:
     if num_sms is None:
-      num_sms = 2 if interpret else jax.devices()[0].core_count
+      num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
+    if num_sms is None:
+      raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
     num_ctas = min(num_sms, num_items)
     grid, grid_names = (num_ctas,), ("sm",)
   kernel = functools.partial(
