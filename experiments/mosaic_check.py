@@ -14,13 +14,14 @@ Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
   python -m experiments.mosaic_check --no-timing     # correctness and dispatch only
   python -m experiments.mosaic_check --sweep         # also tiles of the kernel per cell
 
-With `--backward`, the opt-in Mosaic GPU backward (`MosaicGPUConfig(backward=
+With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 "mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
 rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x group
 for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
 window + segments + soft cap + lengths (0 included); a NaN in one query row; then
-fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
-(FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal).
+fwd+bwd TFLOP/s, with one and with two consumer warpgroups, against cuDNN and against
+"mosaic_gpu" with the Triton backward (FLOPs 3.5x the forward's: 14 B S^2 N H, halved
+when causal).
 
   python -m experiments.mosaic_check --backward                    # on an H100/H200
   python -m experiments.mosaic_check --backward --dry-run-cpu      # tiny, interpreted
@@ -148,7 +149,9 @@ def check_gradient(seed=7):
     do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(q.shape), dtype)
 
     def grads(impl):
-      f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=impl)
+      config = jflash.MosaicGPUConfig(backward="pallas") if impl == IMPL else None
+      f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=impl,
+                                           config=config)
       out, vjp = jax.vjp(f, q, k, v)
       return vjp(do)
     got = jax.jit(lambda q, k, v: grads(IMPL))(q, k, v)
@@ -229,6 +232,14 @@ def forward_fns(causal, peers):
         q, k, v, is_causal=causal, implementation="cudnn"))
   if "pallas" in peers:
     fns["pallas"] = att("pallas")
+  if "jax_mgpu" in peers:   # JAX's own Mosaic GPU kernel at the same tiles, both dtypes
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                         causal=causal)
+    mgpu = lambda q, k, v: attention_mgpu.attention(q * q.shape[-1] ** -0.5, k, v, config)
+    fns["jax_mgpu"] = jax.jit(mgpu)
+    fns["jax_mgpu fp16"] = fns["jax_mgpu"]        # labels with "fp16" get fp16 inputs
+    fns[f"{IMPL} fp16"] = fns[IMPL]
   return fns
 
 
@@ -247,14 +258,23 @@ def time_cells(rounds, sweep, peers, cells):
       fns = dict(forward_fns(causal, peers))
       if sweep:
         for config in sweep_configs(H):
-          label = (f"{IMPL} {config.block_k}x{config.stages}" + ("" if config.pv_in_place else
+          label = (f"{IMPL} {config.block_q}/{config.block_k}x{config.stages}" + ("" if config.pv_in_place else
                    " fresh") + ("" if config.semantics == "lane" else " warpgroup")
                    + (" persistent" if config.persistent else ""))
           fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
               q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
+      ref = None
       for impl, fn in fns.items():
+        args = (q, k, v) if "fp16" not in impl else tuple(x.astype(jnp.float16) for x in (q, k, v))
         try:
-          row["tflops"][impl] = round(flops / bench(fn, (q, k, v), rounds) / 1e12, 1)
+          if impl == "cudnn" or (sweep and impl.startswith(IMPL)):
+            # A sanity check of every variant timed: its output against cuDNN's.
+            out = np.asarray(fn(*args), np.float32)
+            if impl == "cudnn":
+              ref = out
+            elif ref is not None:
+              row.setdefault("max_diff_vs_cudnn", {})[impl] = float(np.abs(out - ref).max())
+          row["tflops"][impl] = round(flops / bench(fn, args, rounds) / 1e12, 1)
         except Exception as e:
           row["tflops"][impl] = None
           row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
@@ -266,23 +286,24 @@ def time_cells(rounds, sweep, peers, cells):
   return rows
 
 
+# Tiles worth timing per head_dim (block_q, block_k, stages), after the first sweep on
+# the H200 (mosaic_sweep_h200.json), which also had key tiles of 64 and 192 in 2-4
+# slots at every head_dim: those were all slower than 128 in 2 slots.
+SWEEP_TILES = {64: [(64, 128, 2), (64, 128, 3), (128, 64, 2), (128, 64, 3), (128, 128, 2)],
+               128: [(64, 128, 2), (64, 128, 3), (64, 192, 2)],
+               256: [(64, 64, 2)]}
+
+
 def sweep_configs(H):
-  """The table's config for this head dim and its neighbours that fit shared memory:
-  other key tiles and depths, the fresh-accumulator P V, warpgroup lowering semantics,
-  the persistent grid."""
-  import dataclasses
-  from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, default_config, smem_bytes
-  base = default_config(H)
-  cands = [dataclasses.replace(base, block_k=bk, stages=st)
-           for bk in (64, 128, 192) for st in (2, 3, 4)]
-  cands += [dataclasses.replace(base, pv_in_place=False),
-            dataclasses.replace(base, semantics="warpgroup"),
-            dataclasses.replace(base, persistent=True)]
-  return [c for c in dict.fromkeys(cands) if c != base and smem_bytes(H, 2, c) <= SMEM_BYTES
-          and (c.pv_in_place or H < 256)]   # two 64 x 256 float32 accumulators spill
+  """Each of SWEEP_TILES with and without the persistent grid, where it fits shared
+  memory (the table's configs are among them)."""
+  from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, MosaicConfig, smem_bytes
+  cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[H]
+           for p in (False, True)]
+  return [c for c in cands if smem_bytes(H, 2, c) <= SMEM_BYTES]
 
 
-# -- the Mosaic GPU backward (opt-in) -----------------------------------------------------
+# -- the Mosaic GPU backward -----------------------------------------------------------------
 
 MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
 
@@ -396,8 +417,12 @@ def time_backward_cells(rounds, cells):
       fns = {
           f"{IMPL} bwd=mosaic_gpu": vjp_of(lambda q, k, v: jflash.attention(
               q, k, v, is_causal=causal, implementation=IMPL, config=MOSAIC_BWD)),
+          f"{IMPL} bwd=mosaic_gpu 2 consumers": vjp_of(lambda q, k, v: jflash.attention(
+              q, k, v, is_causal=causal, implementation=IMPL,
+              config=jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=2))),
           f"{IMPL} bwd=pallas": vjp_of(lambda q, k, v: jflash.attention(
-              q, k, v, is_causal=causal, implementation=IMPL)),
+              q, k, v, is_causal=causal, implementation=IMPL,
+              config=jflash.MosaicGPUConfig(backward="pallas"))),
           "cudnn": vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
               q, k, v, is_causal=causal, implementation="cudnn")),
       }
@@ -468,7 +493,7 @@ def main(argv=None):
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
   p.add_argument("--backward", action="store_true",
-                 help="check and time the opt-in Mosaic GPU backward instead")
+                 help="check and time the Mosaic GPU backward instead")
   p.add_argument("--dry-run-cpu", action="store_true",
                  help="with --backward: tiny interpreted checks on a CPU (tests this script)")
   args = p.parse_args(argv)

@@ -6,7 +6,7 @@
 #   BENCH_SMOKE=1 bash experiments/run_h200.sh /tmp/out  # the same steps, tiny, on a CPU
 #
 # Steps, each with its own timeout taken from what is left, each non-fatal:
-#   1. python -m experiments.pallas_check (and experiments.mosaic_check when present)
+#   1. python -m experiments.pallas_check and experiments.mosaic_check
 #   2. benchmark A: jflash (pallas, mosaic_gpu) against cuDNN on the FA-2 quick cells,
 #      the d=256 cell and the model-shape preset
 #   3. benchmark B: every other peer on the FA-2 quick cells, then the memory table
@@ -52,21 +52,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 $py -c "import jax; d = jax.devices()[0]; print('jax', jax.__version__, d, d.device_kind)"
 
-# 1. Correctness against float64 (the checks write their own JSON).
-# PALLAS_CHECK_ARGS (e.g. "--preset fa2") narrows the Triton check; SKIP_MOSAIC_CHECK=1
-# leaves out the Mosaic GPU check when its kernel is unchanged since its committed run.
-step pallas_check $(( $(left) * 25 / 100 )) $py -m experiments.pallas_check --out-dir "$out" \
-  ${check_flags[@]+"${check_flags[@]}"} ${PALLAS_CHECK_ARGS:-}
-# MOSAIC_BACKWARD_CHECK=1 also checks (and times) the opt-in Mosaic GPU backward.
-if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
-  step mosaic_backward_check $(( $(left) * 20 / 100 )) $py -m experiments.mosaic_check \
-    --backward --out-dir "$out"
+# 1. Correctness against float64 (the checks write their own JSON; the benchmark times).
+# PALLAS_CHECK_ARGS (e.g. "--preset fa2") narrows the Triton check; SKIP_PALLAS_CHECK=1 /
+# SKIP_MOSAIC_CHECK=1 leave out a check whose kernels are unchanged since its committed
+# run; MOSAIC_BACKWARD_CHECK=1 adds the gradients of the Mosaic GPU backward.
+if [ "${SKIP_PALLAS_CHECK:-0}" != 1 ]; then
+  step pallas_check $(( $(left) * 25 / 100 )) $py -m experiments.pallas_check --out-dir "$out" \
+    ${check_flags[@]+"${check_flags[@]}"} ${PALLAS_CHECK_ARGS:-}
 fi
-if [ -f experiments/mosaic_check.py ] && [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
-  mosaic_flags=()
-  $py -m experiments.mosaic_check --help 2>/dev/null | grep -q -- "--out-dir" && mosaic_flags=(--out-dir "$out")
-  step mosaic_check $(( $(left) * 15 / 100 )) $py -m experiments.mosaic_check \
-    ${mosaic_flags[@]+"${mosaic_flags[@]}"}
+if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
+  step mosaic_backward_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
+    --backward --no-timing --out-dir "$out"
+fi
+if [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
+  step mosaic_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
+    --no-timing --out-dir "$out"
 fi
 
 # 2-3. The benchmark in two processes: A (what the targets need) before B (the peer table).
@@ -75,20 +75,28 @@ fi
 grids=quick,d256,model
 a_impls=jflash,cudnn
 [ -n "${BENCH_SMOKE:-}" ] && grids=smoke && a_impls=jflash,xla
-a=$(( ($(left) - 20) * 65 / 100 ))
-step bench_a $a $py -m experiments.bench_attention --grids "$grids" --impls "$a_impls" \
-  --skip-memory --time-limit-s $(( a - 40 > 10 ? a - 40 : 10 )) --out-dir "$out" \
-  --name bench_a_$tag ${bench_flags[@]+"${bench_flags[@]}"}
+a=$(( ($(left) - 20) * ${BENCH_A_SHARE:-65} / 100 ))
+if [ "${SKIP_BENCH_A:-0}" != 1 ]; then
+  step bench_a $a $py -m experiments.bench_attention --grids "$grids" --impls "$a_impls" \
+    --skip-memory --time-limit-s $(( a - 40 > 10 ? a - 40 : 10 )) --out-dir "$out" \
+    --name bench_a_$tag ${bench_flags[@]+"${bench_flags[@]}"}
+fi
+# SKIP_BENCH_B=1: A only (B then runs in a later call: BENCH_A_JSON=<A's JSON> with
+# SKIP_BENCH_A=1 joins the two).
 b=$(( $(left) - 20 ))
 others=jax_pallas_mha,jax_mgpu,tokamax_mosaic,tokamax_triton,torch_flash,torch_cudnn,xla
 [ -n "${BENCH_SMOKE:-}" ] && others=xla
-step bench_b $b $py -m experiments.bench_attention --quick --impls "$others" \
-  --time-limit-s $(( b - 40 > 10 ? b - 40 : 10 )) --out-dir "$out" --name bench_b_$tag \
-  ${bench_flags[@]+"${bench_flags[@]}"}
+if [ "${SKIP_BENCH_B:-0}" != 1 ]; then
+  step bench_b $b $py -m experiments.bench_attention --quick --impls "$others" \
+    --time-limit-s $(( b - 40 > 10 ? b - 40 : 10 )) --out-dir "$out" --name bench_b_$tag \
+    ${bench_flags[@]+"${bench_flags[@]}"}
+fi
 
 # 4. One JSON and the tables; the short summary is printed last.
 parts=()
-for f in "$out/bench_a_$tag.json" "$out/bench_b_$tag.json"; do [ -f "$f" ] && parts+=("$f"); done
+for f in "${BENCH_A_JSON:-$out/bench_a_$tag.json}" "$out/bench_b_$tag.json"; do
+  [ -f "$f" ] && parts+=("$f")
+done
 if [ ${#parts[@]} -gt 0 ]; then
   timeout 60 $py -m experiments.bench_attention --report "${parts[@]}" --out-dir "$out" \
     --name "bench_attention_$tag" 2>&1 | tee "$out/report.log" | grep -v "^\[" | tail -70
