@@ -19,11 +19,12 @@ With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x group
 for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
 window + segments + soft cap + lengths (0 included); a NaN in one query row; then
-fwd+bwd TFLOP/s, with one and with two consumer warpgroups, against cuDNN and against
-"mosaic_gpu" with the Triton backward (FLOPs 3.5x the forward's: 14 B S^2 N H, halved
-when causal).
+fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
+(FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal). `--backward-consumers 2`
+checks and times the warp-specialised kernels instead (JSON name ..._ws).
 
   python -m experiments.mosaic_check --backward                    # on an H100/H200
+  python -m experiments.mosaic_check --backward --backward-consumers 2
   python -m experiments.mosaic_check --backward --dry-run-cpu      # tiny, interpreted
 """
 from __future__ import annotations
@@ -305,7 +306,9 @@ def sweep_configs(H):
 
 # -- the Mosaic GPU backward -----------------------------------------------------------------
 
-MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
+def mosaic_backward(consumers=1):
+  """The config that forces the Mosaic GPU backward, with 1 or 2 consumer warpgroups."""
+  return jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers)
 
 
 def backward_cases():
@@ -333,7 +336,7 @@ def backward_cases():
   return out
 
 
-def check_backward_case(name, shape, dtype, kw, seed):
+def check_backward_case(name, shape, dtype, kw, seed, consumers=1):
   row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
   try:
     q, k, v = _inputs(shape, dtype, seed)
@@ -343,7 +346,7 @@ def check_backward_case(name, shape, dtype, kw, seed):
       f = lambda q, k, v: jflash.attention(q, k, v, implementation=impl, config=config, **kw)
       return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
     t0 = time.perf_counter()
-    got = grads(IMPL, MOSAIC_BWD)
+    got = grads(IMPL, mosaic_backward(consumers))
     block(got)
     row["first_call_s"] = round(time.perf_counter() - t0, 2)
     plain = grads("xla")
@@ -366,7 +369,7 @@ def check_backward_case(name, shape, dtype, kw, seed):
   return row
 
 
-def check_backward_nan(shape=(1, 256, 256, 2, 2, 64)):
+def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), consumers=1):
   """A NaN in one visible query row (causal): dq NaN in that row only; dv NaN exactly
   for the keys that row sees (a hidden key keeps P = 0)."""
   row = {"name": "bwd NaN in one query row", "ok": False}
@@ -376,7 +379,7 @@ def check_backward_nan(shape=(1, 256, 256, 2, 2, 64)):
     q = q.at[0, t_bad, 1, 5].set(jnp.nan)
     do = jnp.ones_like(q)
     f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=IMPL,
-                                         config=MOSAIC_BWD)
+                                         config=mosaic_backward(consumers))
     dq, dk, dv = (np.asarray(g, np.float32) for g in
                   jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))(q, k, v))
     dq_rows = np.argwhere(~np.isfinite(dq).all(-1)).tolist()       # [b, t, n]
@@ -397,9 +400,10 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
 ]
 
 
-def time_backward_cells(rounds, cells):
+def time_backward_cells(rounds, cells, consumers=1):
   """fwd+bwd TFLOP/s (one jitted vjp with a fixed output cotangent) of mosaic_gpu with
-  the Mosaic GPU backward, with the Triton backward, and of cuDNN."""
+  the Mosaic GPU backward (`consumers` warpgroups), with the Triton backward, and of
+  cuDNN."""
   rows = []
   for name, B, S, N, K, H in BACKWARD_CELLS:
     if cells and not any(c in name for c in cells):
@@ -416,10 +420,8 @@ def time_backward_cells(rounds, cells):
         return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
       fns = {
           f"{IMPL} bwd=mosaic_gpu": vjp_of(lambda q, k, v: jflash.attention(
-              q, k, v, is_causal=causal, implementation=IMPL, config=MOSAIC_BWD)),
-          f"{IMPL} bwd=mosaic_gpu 2 consumers": vjp_of(lambda q, k, v: jflash.attention(
               q, k, v, is_causal=causal, implementation=IMPL,
-              config=jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=2))),
+              config=mosaic_backward(consumers))),
           f"{IMPL} bwd=pallas": vjp_of(lambda q, k, v: jflash.attention(
               q, k, v, is_causal=causal, implementation=IMPL,
               config=jflash.MosaicGPUConfig(backward="pallas"))),
@@ -443,15 +445,15 @@ def time_backward_cells(rounds, cells):
   return rows
 
 
-def dry_run_cpu():
+def dry_run_cpu(consumers=1):
   """The --backward checks on a CPU: tiny shapes, the kernels under Mosaic GPU's
   interpreter (the adapter interprets off the GPU), the device check bypassed. It
   tests this script, not the GPU."""
   from jflash import mosaic_impl
   mosaic_impl.device_capability = lambda device=None: ("gpu", "9.0")
   rows = [check_backward_case("dry gqa 4/2 d64 causal, T=70 S=90", (1, 70, 90, 4, 2, 64),
-                              jnp.bfloat16, dict(is_causal=True), seed=0),
-          check_backward_nan((1, 64, 64, 2, 2, 64))]
+                              jnp.bfloat16, dict(is_causal=True), seed=0, consumers=consumers),
+          check_backward_nan((1, 64, 64, 2, 2, 64), consumers=consumers)]
   for r in rows:
     print(r, flush=True)
   return 0 if all(r["ok"] for r in rows) else 1
@@ -459,19 +461,22 @@ def dry_run_cpu():
 
 def main_backward(args):
   if args.dry_run_cpu:
-    return dry_run_cpu()
+    return dry_run_cpu(args.backward_consumers)
   checks = []
   if not args.no_check:
     for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
       if args.only and args.only not in name:
         continue
-      checks.append(check_backward_case(name, shape, dtype, kw, seed=i))
+      checks.append(check_backward_case(name, shape, dtype, kw, seed=i,
+                                        consumers=args.backward_consumers))
       print(checks[-1], flush=True)
-    checks.append(check_backward_nan())
+    checks.append(check_backward_nan(consumers=args.backward_consumers))
     print(checks[-1], flush=True)
   timing = [] if args.no_timing else time_backward_cells(
-      args.rounds, [c for c in args.cells.split(",") if c])
-  name = "mosaic_backward_check_h200" if args.name == "mosaic_check_h200" else args.name
+      args.rounds, [c for c in args.cells.split(",") if c], args.backward_consumers)
+  name = args.name
+  if name == "mosaic_check_h200":
+    name = "mosaic_backward_check_h200" + ("" if args.backward_consumers == 1 else "_ws")
   path = write_result(name, vars(args), checks, extra={"timing": timing}, out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]
   print(f"\n{len(checks) - len(bad)}/{len(checks)} backward checks within the rule; failed: {bad}")
@@ -494,6 +499,9 @@ def main(argv=None):
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
   p.add_argument("--backward", action="store_true",
                  help="check and time the Mosaic GPU backward instead")
+  p.add_argument("--backward-consumers", type=int, choices=(1, 2), default=1,
+                 help="with --backward: consumer warpgroups of the Mosaic GPU backward "
+                      "(2: the warp-specialised kernels)")
   p.add_argument("--dry-run-cpu", action="store_true",
                  help="with --backward: tiny interpreted checks on a CPU (tests this script)")
   args = p.parse_args(argv)

@@ -64,6 +64,12 @@ if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
   step mosaic_backward_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
     --backward --no-timing --out-dir "$out"
 fi
+# MOSAIC_WS_CHECK=1: the warp-specialised backward's gradients, then its timing against
+# the Triton backward and cuDNN, in a process of its own (a hang costs only its share).
+if [ "${MOSAIC_WS_CHECK:-0}" = 1 ]; then
+  step mosaic_ws_check $(( $(left) * 30 / 100 )) $py -m experiments.mosaic_check \
+    --backward --backward-consumers 2 --rounds 3 --out-dir "$out"
+fi
 if [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
   step mosaic_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
     --no-timing --out-dir "$out"

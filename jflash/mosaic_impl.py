@@ -65,7 +65,7 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
   _fwd.check_supported(q, k, v, kernel_config(q, cfg, masks))
   if backward_kind(q, k, cfg, masks) == "mosaic_gpu":
-    _bwd.check_supported(q, k, v)
+    _bwd.check_supported(q, k, v, backward_config(cfg))
 
 
 def backward_config(cfg) -> _bwd.BackwardConfig:

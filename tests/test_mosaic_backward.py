@@ -22,6 +22,7 @@ from jflash import api, mosaic_impl
 from jflash.reference import error_floor, max_err
 from pallas_kernels.masking import MaskOperands, MaskOptions
 from pallas_kernels.mosaic_gpu import backward as mb
+from pallas_kernels.mosaic_gpu import forward as mf
 from tests.attention_test_base import random_qkv
 
 HOPPER = dict(platform="gpu", capability="9.0")
@@ -65,6 +66,15 @@ def test_backward_choice_and_validation():
     jflash.MosaicGPUConfig(backward_consumers=3)
   with pytest.raises(ValueError, match="backward_block_n=96"):
     jflash.MosaicGPUConfig(backward_block_n=96)
+  # A combination that overflows shared memory is refused before it is compiled.
+  for H in mb.HEAD_DIMS:
+    for consumers in (1, 2):
+      assert mb.smem_bytes(H, 2, mb.BackwardConfig(consumers=consumers)) <= mf.SMEM_BYTES
+  q128, k128, v128 = random_qkv((1, 16, 16, 2, 1, 128), jnp.bfloat16)[:3]
+  big = jflash.prepare(q128, k128, v128, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_consumers=2, backward_block_n=256))
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    mosaic_impl.check_call(q128, k128, v128, *big, **HOPPER)
 
 
 def test_head_dim_256_is_refused_only_with_the_mosaic_backward():

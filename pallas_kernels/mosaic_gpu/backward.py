@@ -43,9 +43,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, _load_vector, _plgpu,
-                                               check_head_dim_and_dtype, compiler_params,
-                                               pad_axis)
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
+                                               _load_vector, _plgpu, check_head_dim_and_dtype,
+                                               compiler_params, pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -90,9 +90,25 @@ class BackwardConfig:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
 
 
-def check_supported(q, k, v):
+def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
+  """Shared memory of the larger of the two kernels' programs: each consumer's two
+  fixed 64-row tiles and the two streamed operands' slots, plus the forward's slack
+  for barriers and alignment."""
+  slots = 2 if config.consumers == 1 else config.stages
+  fixed = config.consumers * 2 * ROWS * head_dim * itemsize
+  streamed = slots * 2 * config.block_n * head_dim * itemsize
+  return fixed + streamed + SMEM_SLACK
+
+
+def check_supported(q, k, v, config: BackwardConfig | None = None):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
+  config = config or BackwardConfig()
+  need = smem_bytes(q.shape[-1], q.dtype.itemsize, config)
+  if need > SMEM_BYTES:
+    raise NotImplementedError(
+        f"{config} at head_dim={q.shape[-1]} needs {need} bytes of shared memory "
+        f"(> {SMEM_BYTES})")
 
 
 class _Products:
@@ -525,8 +541,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   ops = ops or MaskOperands()
   if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
     raise NotImplementedError("the Mosaic GPU backward has no dense mask, bias or dropout")
-  check_supported(q, k, v)
   config = config or BackwardConfig()
+  check_supported(q, k, v, config)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   group = N // K
