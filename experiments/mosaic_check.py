@@ -13,6 +13,7 @@ Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
   python -m experiments.mosaic_check                 # everything, on an H100/H200
   python -m experiments.mosaic_check --no-timing     # correctness and dispatch only
   python -m experiments.mosaic_check --sweep         # also tiles of the kernel per cell
+  python -m experiments.mosaic_check --overlap --no-timing   # the in-warpgroup overlap
 
 With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 "mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
@@ -102,12 +103,13 @@ def _inputs(shape, dtype, seed):
   return [jnp.asarray(x, dtype) for x in (q, k, v)]
 
 
-def check_case(name, shape, dtype, kw, seed):
+def check_case(name, shape, dtype, kw, seed, config=None):
   row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
   try:
     q, k, v = _inputs(shape, dtype, seed)
     run = lambda impl: jax.jit(lambda q, k, v: jflash.attention(
-        q, k, v, implementation=impl, return_residuals=True, **kw))(q, k, v)
+        q, k, v, implementation=impl, return_residuals=True,
+        config=config if impl == IMPL else None, **kw))(q, k, v)
     t0 = time.perf_counter()
     out, lse = run(IMPL)
     block(out)
@@ -261,7 +263,8 @@ def time_cells(rounds, sweep, peers, cells):
         for config in sweep_configs(H):
           label = (f"{IMPL} {config.block_q}/{config.block_k}x{config.stages}" + ("" if config.pv_in_place else
                    " fresh") + ("" if config.semantics == "lane" else " warpgroup")
-                   + (" persistent" if config.persistent else ""))
+                   + (" persistent" if config.persistent else "")
+                   + (" overlap" if config.overlap else ""))
           fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
               q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       ref = None
@@ -296,11 +299,15 @@ SWEEP_TILES = {64: [(64, 128, 2), (64, 128, 3), (128, 64, 2), (128, 64, 3), (128
 
 
 def sweep_configs(H):
-  """Each of SWEEP_TILES with and without the persistent grid, where it fits shared
-  memory (the table's configs are among them)."""
-  from pallas_kernels.mosaic_gpu.forward import SMEM_BYTES, MosaicConfig, smem_bytes
+  """Each of SWEEP_TILES with and without the persistent grid, and the table's two
+  configs with the in-warpgroup overlap, where they fit shared memory (the table's
+  configs are among them)."""
+  import dataclasses
+  from pallas_kernels.mosaic_gpu.forward import (SMEM_BYTES, MosaicConfig, default_config,
+                                                 smem_bytes)
   cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[H]
            for p in (False, True)]
+  cands += [dataclasses.replace(default_config(H, c), overlap=True) for c in (False, True)]
   return [c for c in cands if smem_bytes(H, 2, c) <= SMEM_BYTES]
 
 
@@ -497,6 +504,8 @@ def main(argv=None):
   p.add_argument("--only", default=None, help="run only the cases whose name contains this")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
+  p.add_argument("--overlap", action="store_true",
+                 help="check the forward with MosaicGPUConfig(overlap=True)")
   p.add_argument("--backward", action="store_true",
                  help="check and time the Mosaic GPU backward instead")
   p.add_argument("--backward-consumers", type=int, choices=(1, 2), default=1,
@@ -509,12 +518,14 @@ def main(argv=None):
     return main_backward(args)
   result = {"dispatch": check_dispatch()}
   print("dispatch", result["dispatch"], flush=True)
+  # --overlap: the forward cases with FlashAttention-3's in-warpgroup overlap.
+  config = jflash.MosaicGPUConfig(overlap=True) if args.overlap else None
   checks = []
   if not args.no_check:
     for i, (name, shape, dtype, kw) in enumerate(cases()):
       if args.only and args.only not in name:
         continue
-      checks.append(check_case(name, shape, dtype, kw, seed=i))
+      checks.append(check_case(name, shape, dtype, kw, seed=i, config=config))
       print({k: checks[-1].get(k) for k in ("name", "ok", "out", "lse", "empty_rows",
                                              "first_call_s", "error")}, flush=True)
     for extra in (check_gradient(), check_nan()):

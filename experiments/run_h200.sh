@@ -64,6 +64,12 @@ if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
   step mosaic_backward_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
     --backward --no-timing --out-dir "$out"
 fi
+# MOSAIC_OVERLAP_CHECK=1: the forward cases with the in-warpgroup overlap (sweep them
+# with `python -m experiments.mosaic_check --sweep`).
+if [ "${MOSAIC_OVERLAP_CHECK:-0}" = 1 ]; then
+  step mosaic_overlap_check $(( $(left) * 20 / 100 )) $py -m experiments.mosaic_check \
+    --overlap --no-timing --name mosaic_overlap_check_h200 --out-dir "$out"
+fi
 # MOSAIC_WS_CHECK=1: the warp-specialised backward's gradients, then its timing against
 # the Triton backward and cuDNN, in a process of its own (a hang costs only its share).
 if [ "${MOSAIC_WS_CHECK:-0}" = 1 ]; then

@@ -118,6 +118,9 @@ class MosaicGPUConfig(BackendConfig):
     block_k: key/value rows per pipeline slot: 64, 128, 192 or 256.
     stages: shared-memory slots of K/V in flight (>= 2).
     persistent: one program per multiprocessor looping over the work items.
+    overlap: FlashAttention-3's overlap of the softmax with the P V product inside
+      each consumer warpgroup, in place of the ping-pong between the two (checked by
+      lowering and interpretation only; not in the default table).
     backward: "auto" (default): the Mosaic GPU backward for grouped heads (GQA, MQA)
       at head_dim 128, where it measured faster on the H200, else the Triton one
       (the rule: `jflash.mosaic_impl.backward_kind`); "pallas": the Triton backward
@@ -138,6 +141,7 @@ class MosaicGPUConfig(BackendConfig):
   block_k: int | None = None
   stages: int | None = None
   persistent: bool | None = None
+  overlap: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -152,5 +156,6 @@ class MosaicGPUConfig(BackendConfig):
       raise ValueError(f"backward_block_n={self.backward_block_n!r} must be 64, 128, 192 or 256")
     if self.backward_consumers not in (None, 1, 2):
       raise ValueError(f"backward_consumers={self.backward_consumers!r} must be 1 or 2")
-    if self.persistent is not None and not isinstance(self.persistent, bool):
-      raise ValueError(f"persistent={self.persistent!r} must be a bool or None")
+    for name in ("persistent", "overlap"):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")

@@ -47,7 +47,8 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
   own = cfg.backend_config(MosaicGPUConfig)
   if own is None:
     return config
-  fields = {name: getattr(own, name) for name in ("block_q", "block_k", "stages", "persistent")}
+  fields = {name: getattr(own, name)
+            for name in ("block_q", "block_k", "stages", "persistent", "overlap")}
   return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
 
 

@@ -13,6 +13,7 @@ Three levels, all on the CI machine:
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -190,6 +191,19 @@ def test_lowers_persistent(causal):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
+@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_overlapped(H, causal):
+  config = dataclasses.replace(mf.default_config(H, causal), overlap=True)
+  assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal), config=config)
+
+
+def test_lowers_overlapped_with_every_mask_path():
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mf.MosaicConfig(64, 128, 2, overlap=True)
+  assert "mosaic_gpu" in _lowered(64, opts, _segments_and_lengths, config=config)
+
+
 def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
   config = mf.MosaicConfig(64, 64, 3, pv_in_place=False)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(), config=config)
@@ -216,18 +230,20 @@ def _check_against_reference(q, k, v, out, lse, **kw):
   return int((~live).sum())
 
 
-def test_interpreted_pipeline_mqa_causal_off_tile():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_interpreted_pipeline_mqa_causal_off_tile(overlap):
   """Two programs (T = 130 > 128 rows), the last one mostly padding; S = 200 in 64-key
-  tiles through 2 slots, so the producer refills slots behind the consumed barriers."""
+  tiles through 2 slots, so the producer refills slots behind the consumed barriers;
+  with the softmax overlapped with P V in each consumer, or ping-ponged."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=1)[:3]
-  config = mf.MosaicConfig(64, 64, 2)
+  config = mf.MosaicConfig(64, 64, 2, overlap=overlap)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=True)
   _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_interpreted_persistent_grid_carries_slots_across_items(causal):
+@pytest.mark.parametrize("causal, overlap", [(False, False), (True, False), (True, True)])
+def test_interpreted_persistent_grid_carries_slots_across_items(causal, overlap):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
   the items' tile counts differ (batch 1 sees 40 keys: one tile). Causal takes the
@@ -236,14 +252,15 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal):
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
   kv_len = jnp.asarray([150, 40], jnp.int32)
   opts, ops = kernel_records(Masks(is_causal=causal, kv_lengths=kv_len), B=B, T=T, S=S)
-  config = mf.MosaicConfig(64, 64, 3, persistent=True)
+  config = mf.MosaicConfig(64, 64, 3, persistent=True, overlap=overlap)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
                               interpret=True, num_sms=3)
   _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
                            is_causal=causal)
 
 
-def test_interpreted_masks_through_the_adapter():
+@pytest.mark.parametrize("overlap", [None, True])
+def test_interpreted_masks_through_the_adapter(overlap):
   """Window, segments (one query segment sees no key: empty rows), soft cap, key and
   query lengths including 0, through jflash's adapter; T != S; fp16."""
   B, T, S = 2, 100, 120
@@ -257,7 +274,8 @@ def test_interpreted_masks_through_the_adapter():
             segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)),
             query_seq_lengths=jnp.asarray([100, 0], jnp.int32),
             key_value_seq_lengths=jnp.asarray([70, 120], jnp.int32))
-  cfg, masks = _prepared(q, k, v, **kw)
+  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(overlap=overlap), **kw)
+  assert mosaic_impl.kernel_config(q, cfg, masks).overlap == bool(overlap)
   qz, kz, vz = api._zero_padding(q, k, v, masks)
   out, lse = mosaic_impl.forward(qz, kz, vz, cfg, masks)
   empty = _check_against_reference(q, k, v, out, lse, **kw)

@@ -63,6 +63,11 @@ class MosaicConfig:
   persistent: one program per multiprocessor looping over the (query block, head,
     batch) items, so that one item's pipeline fill and output store overlap the
     next item's loads, and no partial last wave is launched.
+  overlap: FlashAttention-3's overlap inside one warpgroup (section 3.2): the next
+    tile's S = Q K^T and this tile's P V are issued together and the next tile's
+    softmax runs under the P V product, in place of the ping-pong between the two
+    consumers. Checked by lowering and by the interpreter only; the interpreter runs
+    the products one after the other, so only the GPU shows the overlap.
   """
 
   block_q: int = 64
@@ -71,6 +76,7 @@ class MosaicConfig:
   pv_in_place: bool = True
   semantics: str = "lane"
   persistent: bool = False
+  overlap: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -263,27 +269,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
       acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
 
-      @pl.when(hi > lo)
-      def _():
-        plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
-
-      pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
-
-      def body(j, carry, masked):
-        acc, m_i, l_i = carry
-        slot = slot_of(j)
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          schedule_turn()              # hand the tensor cores to the other consumer
-          return acc_ref[...]
-        if interpret:      # the interpreter's wgmma takes no transposed operand
-          s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-          schedule_turn()
-        else:
-          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-
+      def online_softmax(s, j, masked, m_i, l_i):
+        """(P in the input dtype, the rescale factor alpha, the new row max and row sum)
+        of key tile j from its raw scores s."""
         # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft
         # cap or a scale <= 0 is applied to s first.
         c = scale * LOG2E
@@ -310,43 +298,141 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        if pv_in_place:    # rescale O now, under the other consumer's products
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        # Keep the softmax on this side of the barriers (the references found the order
-        # matters for how the two consumers overlap).
-        acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
-        plgpu.barrier_arrive(schedule)            # softmax done
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+        return p.astype(dtype), alpha, m_new, l_i
 
-        def wait_next_k():                        # under this tile's P V product
-          pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+      def ping_pong(acc, m_i, l_i):
+        """The key tiles, the two consumers staggered by the schedule barrier so that
+        one's softmax runs under the other's products (FlashAttention-3, 3.1)."""
+        @pl.when(hi > lo)
+        def _():
+          plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_next_k()
+        pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
 
-        def pv_fresh(acc_ref):
-          pv(acc_ref)
-          return acc_ref[...]
-        if interpret:      # the interpreter's wgmma takes no register operand
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
-              p16, v_smem[slot], preferred_element_type=jnp.float32)
-          wait_next_k()
-        elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-              pv_fresh, plgpu.ACC((bq, H), jnp.float32))
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_i
+        def body(j, carry, masked):
+          acc, m_i, l_i = carry
+          slot = slot_of(j)
 
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-      carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-      pl.when(wg == 0)(schedule_turn)   # balance the stagger
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            schedule_turn()              # hand the tensor cores to the other consumer
+            return acc_ref[...]
+          if interpret:      # the interpreter's wgmma takes no transposed operand
+            s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+            schedule_turn()
+          else:
+            s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+
+          p16, alpha, m_new, l_i = online_softmax(s, j, masked, m_i, l_i)
+          if pv_in_place:    # rescale O now, under the other consumer's products
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          # Keep the softmax on this side of the barriers (the references found the order
+          # matters for how the two consumers overlap).
+          acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
+          plgpu.barrier_arrive(schedule)            # softmax done
+          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+
+          def wait_next_k():                        # under this tile's P V product
+            pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            wait_next_k()
+
+          def pv_fresh(acc_ref):
+            pv(acc_ref)
+            return acc_ref[...]
+          if interpret:      # the interpreter's wgmma takes no register operand
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
+                p16, v_smem[slot], preferred_element_type=jnp.float32)
+            wait_next_k()
+          elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+                pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+        pl.when(wg == 0)(schedule_turn)   # balance the stagger
+        return acc, m_i, l_i
+
+      def overlapped(acc, m_i, l_i):
+        """The key tiles, each consumer overlapping its own softmax of tile u with its
+        P V product of tile u - 1 (FlashAttention-3, 3.2, Algorithm 2): S_u and P V_(u-1)
+        are issued together, S_u is waited for alone (the products complete in issue
+        order), and tile u's softmax runs while P V_(u-1) is in flight. alpha in the
+        carry rescales O before tile u - 1's P V is added: O_(u-1) = alpha_(u-1) O_(u-2)
+        + P_(u-1) V_(u-1). The first tile is taken as masked (it may be a boundary
+        tile); every K tile is released as soon as its S is read."""
+        def scores(u):
+          if interpret:    # the interpreter's wgmma takes no transposed operand
+            return jnp.dot(q_smem[...], k_smem[slot_of(u)].T, preferred_element_type=jnp.float32)
+          def qk(s_ref):
+            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(u)], (1, 0)))
+            return s_ref[...]
+          return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+
+        def first(u, carry):
+          acc, _, _, m_i, l_i = carry
+          plgpu.barrier_wait(k_loaded.at[slot_of(u)])
+          s = scores(u)
+          plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
+          return (acc, *online_softmax(s, u, True, m_i, l_i))
+
+        def step(u, carry, masked):
+          acc, p16, alpha, m_i, l_i = carry
+          plgpu.barrier_wait(k_loaded.at[slot_of(u)])
+          plgpu.barrier_wait(v_loaded.at[slot_of(u - 1)])
+          if interpret:    # products one after the other, plain dots
+            s = scores(u)
+            plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
+            new = online_softmax(s, u, masked, m_i, l_i)
+            pv = jnp.dot(p16, v_smem[slot_of(u - 1)], preferred_element_type=jnp.float32)
+          else:
+            def products(s_ref, pv_ref):
+              plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(u)], (1, 0)))
+              plgpu.wgmma(pv_ref, p16, v_smem.at[slot_of(u - 1)])
+              s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # P V still in flight
+              plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
+              new = online_softmax(s, u, masked, m_i, l_i)
+              return new, plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+            new, pv = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32),
+                                    plgpu.ACC((bq, H), jnp.float32))
+          plgpu.barrier_arrive(v_consumed.at[slot_of(u - 1)])
+          return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, *new)
+
+        def last(u, carry):
+          acc, p16, alpha, m_i, l_i = carry
+          plgpu.barrier_wait(v_loaded.at[slot_of(u)])
+          if interpret:
+            pv = jnp.dot(p16, v_smem[slot_of(u)], preferred_element_type=jnp.float32)
+          else:
+            def product(pv_ref):
+              plgpu.wgmma(pv_ref, p16, v_smem.at[slot_of(u)])
+              return pv_ref[...]
+            pv = pl.run_scoped(product, plgpu.ACC((bq, H), jnp.float32))
+          plgpu.barrier_arrive(v_consumed.at[slot_of(u)])
+          return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, p16, alpha, m_i, l_i
+
+        p16 = cast(jnp.zeros((bq, bk), dtype), wgmma_layout)
+        carry = (acc, p16, cast(jnp.ones((bq,), jnp.float32), row_layout), m_i, l_i)
+        carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
+        start = lo + 1                   # tiles lo + 1 .. hi - 1, in their classes
+        bounds = (start, jnp.maximum(start, full_lo), jnp.maximum(start, full_hi), hi)
+        for (a, z), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
+          carry = lax.fori_loop(a, jnp.maximum(a, z), functools.partial(step, masked=masked),
+                                carry)
+        acc, _, _, m_i, l_i = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
+        return acc, m_i, l_i
+
+      acc, m_i, l_i = (overlapped if config.overlap else ping_pong)(acc, m_i, l_i)
 
       # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
       # 0 and lse = -inf; a NaN sum stays NaN.
