@@ -51,12 +51,6 @@ HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 r
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
 
 
-# Scratch of both kernels in one order (dK/dV: K, V fixed and Q, dO streamed; dQ the
-# other way round).
-_SCRATCH_ORDER = ("k_smem", "v_smem", "q_smem", "do_smem", "fixed_loaded", "loaded", "consumed",
-                  "acc")
-
-
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
   """Tiles and compile options of the Mosaic GPU backward.
@@ -586,7 +580,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       threads = dict(num_threads=C + 1, thread_name="wg")
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
       scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
-    scratch = {name: scratch[name] for name in sorted(scratch, key=_SCRATCH_ORDER.index)}
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
