@@ -147,15 +147,22 @@ class MosaicGPUConfig(BackendConfig):
   backward_consumers: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "stages", "backward_block_n", "backward_consumers"):
+    for name in ("block_q", "block_k", "stages"):
       _check_positive(name, getattr(self, name))
     if self.backward not in self.backward_kinds:
       raise ValueError(f"backward={self.backward!r} must be one of {self.backward_kinds}")
-    if self.backward_block_n is not None and (self.backward_block_n % 64
-                                              or self.backward_block_n > 256):
-      raise ValueError(f"backward_block_n={self.backward_block_n!r} must be 64, 128, 192 or 256")
-    if self.backward_consumers not in (None, 1, 2):
-      raise ValueError(f"backward_consumers={self.backward_consumers!r} must be 1 or 2")
+    # The backward's tile rules live with the kernel's own record: building one checks
+    # them (its fields are these without the "backward_" prefix).
+    from pallas_kernels.mosaic_gpu.backward import BackwardConfig
+    try:
+      BackwardConfig(**self.backward_fields())
+    except ValueError as e:
+      raise ValueError(f"backward_{e}") from None
     for name in ("persistent", "overlap"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
+
+  def backward_fields(self) -> dict:
+    """The backward fields set here, by the name of the Mosaic GPU backward's record."""
+    fields = {"block_n": self.backward_block_n, "consumers": self.backward_consumers}
+    return {k: v for k, v in fields.items() if v is not None}

@@ -72,9 +72,7 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
 def backward_config(cfg) -> _bwd.BackwardConfig:
   """The caller's backward tiles over the Mosaic GPU backward's default."""
   own = cfg.backend_config(MosaicGPUConfig)
-  fields = {} if own is None else {"block_n": own.backward_block_n,
-                                   "consumers": own.backward_consumers}
-  return _bwd.BackwardConfig(**{k: v for k, v in fields.items() if v is not None})
+  return _bwd.BackwardConfig(**({} if own is None else own.backward_fields()))
 
 
 # The dK/dV grid size below which "auto" keeps a causal call on the Triton backward.

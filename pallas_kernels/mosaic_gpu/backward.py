@@ -78,7 +78,7 @@ class BackwardConfig:
       raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     if not isinstance(self.block_n, int) or self.block_n % 64 or not 0 < self.block_n <= 256:
       raise ValueError(f"block_n={self.block_n!r} must be 64, 128, 192 or 256")
-    if self.consumers not in (1, 2):
+    if isinstance(self.consumers, bool) or self.consumers not in (1, 2):
       raise ValueError(f"consumers={self.consumers!r} must be 1 or 2")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
