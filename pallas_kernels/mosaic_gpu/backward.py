@@ -43,9 +43,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
-                                               _load_vector, _plgpu, check_head_dim_and_dtype,
-                                               compiler_params, pad_axis)
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, _load_vector,
+                                               _plgpu, check_head_dim_and_dtype,
+                                               check_shared_memory, compiler_params, pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -94,15 +94,10 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   return fixed + streamed + SMEM_SLACK
 
 
-def check_supported(q, k, v, config: BackwardConfig | None = None):
+def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
-  config = config or BackwardConfig()
-  need = smem_bytes(q.shape[-1], q.dtype.itemsize, config)
-  if need > SMEM_BYTES:
-    raise NotImplementedError(
-        f"{config} at head_dim={q.shape[-1]} needs {need} bytes of shared memory "
-        f"(> {SMEM_BYTES})")
+  check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
 class _Products:

@@ -155,16 +155,17 @@ def pad_axis(x, n: int, axis: int, fill=0):
   return jnp.pad(x, widths, constant_values=fill)
 
 
-def check_supported(q, k, v, config: MosaicConfig | None = None):
+def check_shared_memory(config, head_dim: int, need: int):
+  """NotImplementedError naming a config whose programs need more than SMEM_BYTES."""
+  if need > SMEM_BYTES:
+    raise NotImplementedError(
+        f"{config} at head_dim={head_dim} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+
+
+def check_supported(q, k, v, config: MosaicConfig):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
-  H = q.shape[-1]
-  configs = [config] if config else [default_config(H, c) for c in (False, True)]
-  for config in configs:
-    need = smem_bytes(H, q.dtype.itemsize, config)
-    if need > SMEM_BYTES:
-      raise NotImplementedError(
-          f"{config} at head_dim={H} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+  check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
 def _plgpu():
