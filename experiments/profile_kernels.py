@@ -1,10 +1,19 @@
-"""One forward+backward of the Pallas kernels, for a hardware-counter profiler.
+"""Steps of one attention call, for a hardware-counter profiler.
 
-  ncu --clock-control none --kernel-name regex:jflash --launch-skip 3 --launch-count 3 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats \
-      python -m experiments.profile_kernels --seq 4096 --head-dim 64 --causal
+  ncu --clock-control none --launch-skip-before-match 0 --csv --page details \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section LaunchStats --section Occupancy \
+      python -m experiments.profile_kernels --seq 4096 --head-dim 64 --implementation mosaic_gpu
 
-Two warm-up steps compile and load the kernels; the third is the one to profile.
+Shapes follow the FA-2 grid (heads = hidden / head_dim, batch = tokens / seq) unless
+--heads / --batch are given. --forward-only profiles the forward alone; otherwise one
+jitted vjp (forward, delta, the two backward kernels). --backward picks the backward of
+"mosaic_gpu" (MosaicGPUConfig.backward). Every step runs the same kernels: the first
+compiles, so a profiler that skips the first step's launches sees warm ones.
+
+Under ncu, run with XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA_PYTHON_CLIENT_ALLOCATOR=
+platform: kernel replay saves and restores the memory a kernel may write, which with
+JAX's default pool is most of the card, on every pass.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jflash
 
@@ -22,23 +32,42 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head_dim (FA-2 grid)")
   p.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seq (FA-2 grid)")
+  p.add_argument("--heads", type=int, default=None, help="query heads (overrides --hidden)")
+  p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+  p.add_argument("--batch", type=int, default=None, help="overrides --tokens")
   p.add_argument("--causal", action="store_true")
+  p.add_argument("--implementation", default="pallas", help="jflash implementation name")
+  p.add_argument("--backward", default="auto", choices=("auto", "mosaic_gpu", "pallas"),
+                 help='MosaicGPUConfig.backward, for --implementation mosaic_gpu')
+  p.add_argument("--forward-only", action="store_true")
   p.add_argument("--steps", type=int, default=3)
   args = p.parse_args(argv)
-  B, N = args.tokens // args.seq, args.hidden // args.head_dim
-  shape = (B, args.seq, N, args.head_dim)
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
+  N = args.heads or args.hidden // args.head_dim
+  K = args.kv_heads or N
+  B = args.batch or max(1, args.tokens // args.seq)
+  # Inputs made on the host, so that the attention steps are the only kernels launched.
+  rng = np.random.default_rng(0)
+  q, do = (jnp.asarray(rng.standard_normal((B, args.seq, N, args.head_dim)), jnp.bfloat16)
+           for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((B, args.seq, K, args.head_dim)), jnp.bfloat16)
+          for _ in range(2))
+  config = (jflash.MosaicGPUConfig(backward=args.backward)
+            if args.implementation == "mosaic_gpu" else None)
 
-  @jax.jit
-  def step(q, k, v, do):
-    out, vjp = jax.vjp(lambda q, k, v: jflash.attention(
-        q, k, v, is_causal=args.causal, implementation="pallas"), q, k, v)
-    return out, vjp(do)
+  def attn(q, k, v):
+    return jflash.attention(q, k, v, is_causal=args.causal, implementation=args.implementation,
+                            config=config)
 
+  if args.forward_only:
+    step = jax.jit(attn)
+    call = lambda: step(q, k, v)
+  else:
+    step = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+    call = lambda: step(q, k, v, do)
   for _ in range(args.steps):
-    jax.block_until_ready(step(q, k, v, do))
-  print("done", shape, "causal" if args.causal else "non-causal")
+    jax.block_until_ready(call())
+  print("done", (B, args.seq, N, K, args.head_dim), "causal" if args.causal else "non-causal",
+        args.implementation, "forward" if args.forward_only else f"fwd+bwd ({args.backward})")
 
 
 if __name__ == "__main__":

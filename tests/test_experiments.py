@@ -123,3 +123,42 @@ def test_ring_gpu_tiny(tmp_path):
   speed = res["speed"]
   assert speed and all(r["status"] == "ok" and r["scaling_efficiency"] > 0 for r in speed)
   assert "lm" not in res
+
+
+def test_profile_kernels_runs_the_steps_it_names(capsys):
+  # The program ncu profiles (experiments/profile_h200.sh): on a CPU with a plain-JAX
+  # implementation, forward+backward and forward only, inputs made on the host.
+  from experiments import profile_kernels
+  for extra in ([], ["--forward-only"]):
+    profile_kernels.main(["--seq", "64", "--head-dim", "16", "--heads", "2", "--kv-heads", "1",
+                          "--batch", "1", "--implementation", "xla_chunked", "--steps", "1",
+                          *extra])
+  out = capsys.readouterr().out
+  assert "(1, 64, 2, 1, 16) non-causal xla_chunked fwd+bwd (auto)" in out
+  assert "xla_chunked forward" in out
+
+
+def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):
+  # An `ncu --page raw --csv` export in miniature (header, units, one row per launch):
+  # two launches of one kernel and another kernel of the same name but another launch
+  # shape (Mosaic GPU names its kernels alike); read plain and gzipped.
+  import gzip
+  from experiments import ncu_summary
+  header = ['"Kernel Name"', '"Grid Size"', '"Block Size"', '"gpu__time_duration.sum"',
+            '"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"',
+            '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"']
+  rows = [",".join(header), '"","","","ms","%",""',
+          '"k","(132, 1, 1)","(384, 1, 1)","9.0","10.0","1.0"',
+          '"k","(132, 1, 1)","(384, 1, 1)","1.5","49.5","1.6"',
+          '"k","(1, 16, 256)","(128, 1, 1)","6.3","77.0","1.4"']
+  text = "==PROF== Connected\n" + "\n".join(rows) + "\n"
+  (tmp_path / "raw.csv").write_text(text)
+  with gzip.open(tmp_path / "raw.csv.gz", "wt") as f:
+    f.write(text)
+  for name in ("raw.csv", "raw.csv.gz"):
+    ncu_summary.summarize(tmp_path / name)
+    out = capsys.readouterr().out
+    assert out.count("### k") == 2
+    assert "time                    1.5 ms" in out and "9.0" not in out
+    assert "49.50  sm__pipe_tensor_cycles_active" in out and "77.00" in out
+    assert "1.600  smsp__average_warps_issue_stalled_wait" in out

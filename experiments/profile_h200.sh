@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Hardware-counter profiles of the kernels behind the open misses, one ncu run per case,
+# each non-fatal and inside its own timeout. Every step of a case runs the same kernels;
+# the summary (experiments/ncu_summary.py) keeps each kernel's last launch, a warm one.
+#
+#   bash experiments/profile_h200.sh OUT [CASE ...]     # on the H200; default: every case
+set -uo pipefail
+out=${1:?usage: profile_h200.sh OUT [CASE ...]}; shift
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+# One allocation per buffer: ncu's replay then saves only the buffers a kernel touches,
+# not JAX's preallocated pool (most of the card's memory) on every pass.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
+declare -A CASES=(
+  [fwd_d64]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only"
+  [fwd_d64_causal]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --causal"
+  [fwd_d256]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only"
+  [bwd_d128_triton]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward pallas"
+  [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu"
+)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
+sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
+          --section LaunchStats --section Occupancy --section InstructionStats
+          --section MemoryWorkloadAnalysis)
+for name in "${names[@]}"; do
+  t=$SECONDS
+  timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" ncu --clock-control none --csv --page raw \
+    "${sections[@]}" -o "$out/ncu_$name" -f $py -m experiments.profile_kernels --steps 2 \
+    ${CASES[$name]} >"$out/ncu_$name.log" 2>&1
+  echo "== $name: rc=$? in $(( SECONDS - t )) s"
+  if [ -f "$out/ncu_$name.ncu-rep" ]; then
+    ncu --import "$out/ncu_$name.ncu-rep" --csv --page raw >"$out/ncu_${name}_raw.csv" 2>/dev/null
+    ncu --import "$out/ncu_$name.ncu-rep" --csv --page details >"$out/ncu_${name}_details.csv" 2>/dev/null
+    $py -m experiments.ncu_summary "$out/ncu_${name}_raw.csv" | tee "$out/ncu_${name}_summary.txt"
+  else
+    tail -5 "$out/ncu_$name.log"
+  fi
+done
