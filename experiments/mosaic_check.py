@@ -31,6 +31,7 @@ checks and times the warp-specialised kernels instead (JSON name ..._ws).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -239,7 +240,7 @@ def forward_fns(causal, peers):
   return fns
 
 
-def time_cells(rounds, sweep, peers, cells):
+def time_cells(rounds, sweep, peers, cells, variants=()):
   from pallas_kernels.masking import MaskOptions
   from pallas_kernels.mosaic_gpu import forward as mf
   rows = []
@@ -257,7 +258,12 @@ def time_cells(rounds, sweep, peers, cells):
           label = (f"{IMPL} {config.block_q}/{config.block_k}x{config.stages}" + ("" if config.pv_in_place else
                    " fresh") + ("" if config.semantics == "lane" else " warpgroup")
                    + (" persistent" if config.persistent else "")
-                   + (" overlap" if config.overlap else ""))
+                   + (" overlap" if config.overlap else "")
+                   + (f" x{config.consumers}wg" if config.consumers != 2 else "")
+                   + ("" if config.ping_pong or config.consumers != 2 else " no-ping-pong")
+                   + (f" regs{config.consumer_registers}" if config.consumer_registers else ""))
+          if variants and not any(v in label for v in variants):
+            continue
           fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
               q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       ref = None
@@ -293,14 +299,22 @@ SWEEP_TILES = {64: [(64, 128, 2), (64, 128, 3), (128, 64, 2), (128, 64, 3), (128
 
 def sweep_configs(H):
   """Each of SWEEP_TILES with and without the persistent grid, and the table's two
-  configs with the in-warpgroup overlap, where they fit shared memory (the table's
-  configs are among them)."""
+  configs with the in-warpgroup overlap, with FlashAttention-3's register split
+  (240 per consumer) and without the ping-pong, and three-consumer configs, where they
+  fit shared memory (the table's configs are among them)."""
   import dataclasses
   from pallas_kernels.mosaic_gpu.forward import (SMEM_BYTES, MosaicConfig, default_config,
                                                  smem_bytes)
   cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[H]
            for p in (False, True)]
   cands += [dataclasses.replace(default_config(H, c), overlap=True) for c in (False, True)]
+  cands += [dataclasses.replace(default_config(H, c), consumer_registers=240)
+            for c in (False, True)]
+  # Three consumers, unsynchronised (FlashAttention-3's choice at head_dim 64), and two
+  # without the ping-pong.
+  cands += [MosaicConfig(64, bk, st, persistent=p, consumers=3, ping_pong=False)
+            for bk, st in ((128, 2), (64, 2)) for p in (False, True)]
+  cands += [dataclasses.replace(default_config(H, c), ping_pong=False) for c in (False, True)]
   return [c for c in cands if smem_bytes(H, 2, c) <= SMEM_BYTES]
 
 
@@ -497,6 +511,11 @@ def main(argv=None):
   p.add_argument("--only", default=None, help="run only the cases whose name contains this")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
+  p.add_argument("--variants", default="",
+                 help="with --sweep: comma-separated substrings of the variant labels to time")
+  p.add_argument("--config", default=None,
+                 help='check the forward with MosaicGPUConfig(**JSON), e.g. '
+                      '\'{"consumers": 3, "ping_pong": false}\'')
   p.add_argument("--overlap", action="store_true",
                  help="check the forward with MosaicGPUConfig(overlap=True)")
   p.add_argument("--backward", action="store_true",
@@ -512,7 +531,9 @@ def main(argv=None):
   result = {"dispatch": check_dispatch()}
   print("dispatch", result["dispatch"], flush=True)
   # --overlap: the forward cases with FlashAttention-3's in-warpgroup overlap.
-  config = jflash.MosaicGPUConfig(overlap=True) if args.overlap else None
+  # --config JSON: with those MosaicGPUConfig fields.
+  fields = {**json.loads(args.config or "{}"), **({"overlap": True} if args.overlap else {})}
+  config = jflash.MosaicGPUConfig(**fields) if fields else None
   checks = []
   if not args.no_check:
     for i, (name, shape, dtype, kw) in enumerate(cases()):
@@ -525,7 +546,8 @@ def main(argv=None):
       checks.append(extra)
       print(extra, flush=True)
   timing = [] if args.no_timing else time_cells(args.rounds, args.sweep, args.peers.split(","),
-                                                   [c for c in args.cells.split(",") if c])
+                                                   [c for c in args.cells.split(",") if c],
+                                                   [v for v in args.variants.split(",") if v])
   path = write_result(args.name, vars(args), checks, extra={**result, "timing": timing},
                       out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]

@@ -119,8 +119,14 @@ class MosaicGPUConfig(BackendConfig):
     stages: shared-memory slots of K/V in flight (>= 2).
     persistent: one program per multiprocessor looping over the work items.
     overlap: FlashAttention-3's overlap of the softmax with the P V product inside
-      each consumer warpgroup, in place of the ping-pong between the two (checked by
-      lowering and interpretation only; not in the default table).
+      each consumer warpgroup, in place of the ping-pong between the two (correct on
+      the H200 but slower there; not in the default table).
+    consumers: consumer warpgroups per program, 2 or 3 (the table: 3 at head_dim 128,
+      2 at 64 and 256; 3 are refused at 256).
+    ping_pong: stagger two consumers so one's softmax runs under the other's matrix
+      products (default True; three consumers need False).
+    consumer_registers: registers per thread of each consumer warpgroup (a multiple of
+      8; the producer warpgroup keeps the rest of the launch's pool).
     backward: "auto" (default): the Mosaic GPU backward for grouped heads (GQA, MQA)
       at head_dim 128, where it measured faster on the H200, else the Triton one
       (the rule: `jflash.mosaic_impl.backward_kind`); "pallas": the Triton backward
@@ -130,11 +136,15 @@ class MosaicGPUConfig(BackendConfig):
       kernels' first products (query rows per tile of the dK/dV kernel, key rows per
       tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
-      program: 1 (the default, the kernels timed on the H200) or 2 with a producer
-      warpgroup (warp-specialised; checked by lowering and interpretation only).
+      program: 1 (the default) or 2 with a producer warpgroup (warp-specialised;
+      within a few percent of 1 on the H200).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
+  forward_fields: ClassVar[tuple[str, ...]] = (
+      "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
+      "consumer_registers")
+  warpgroup_fields: ClassVar[tuple[str, ...]] = ("consumers", "ping_pong", "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
 
   block_q: int | None = None
@@ -142,6 +152,9 @@ class MosaicGPUConfig(BackendConfig):
   stages: int | None = None
   persistent: bool | None = None
   overlap: bool | None = None
+  consumers: int | None = None
+  ping_pong: bool | None = None
+  consumer_registers: int | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -158,9 +171,14 @@ class MosaicGPUConfig(BackendConfig):
       BackwardConfig(**self.backward_fields())
     except ValueError as e:
       raise ValueError(f"backward_{e}") from None
-    for name in ("persistent", "overlap"):
+    for name in ("persistent", "overlap", "ping_pong"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
+    # The warpgroup fields' rules live with the kernel's record: building one checks
+    # them (with three consumers, ping_pong=False must be set too).
+    from pallas_kernels.mosaic_gpu.forward import MosaicConfig
+    MosaicConfig(**{name: getattr(self, name) for name in self.warpgroup_fields
+                    if getattr(self, name) is not None})
 
   def backward_fields(self) -> dict:
     """The backward fields set here, by the name of the Mosaic GPU backward's record."""

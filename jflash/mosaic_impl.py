@@ -48,7 +48,7 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
   if own is None:
     return config
   fields = {name: getattr(own, name)
-            for name in ("block_q", "block_k", "stages", "persistent", "overlap")}
+            for name in own.forward_fields}
   return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
 
 

@@ -14,6 +14,7 @@ Three levels, all on the CI machine:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import jax
@@ -95,6 +96,14 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
     mosaic_impl.check_call(q256, k256, v256, *big, **HOPPER)
   with pytest.raises(ValueError, match="stages=0"):
     jflash.MosaicGPUConfig(stages=0)
+  regs = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumer_registers=240))
+  assert mosaic_impl.kernel_config(q, *regs).consumer_registers == 240
+  with pytest.raises(ValueError, match="consumer_registers=250"):
+    jflash.MosaicGPUConfig(consumer_registers=250)
+  three = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumers=3, ping_pong=False))
+  assert mosaic_impl.kernel_config(q, *three).register_split() == (160, 32)
+  with pytest.raises(ValueError, match="ping_pong=False"):
+    jflash.MosaicGPUConfig(consumers=3)
 
 
 def test_registered_and_refused_on_cpu_with_the_reason():
@@ -126,6 +135,11 @@ def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, orde
 @pytest.mark.parametrize("kw, bad", [
     (dict(block_q=32), "block_q=32"), (dict(block_k=320), "block_k=320"),
     (dict(block_k=96), "block_k=96"), (dict(stages=1), "stages=1"),
+    (dict(consumer_registers=248), "consumer_registers=248"),
+    (dict(consumer_registers=236), "consumer_registers=236"),
+    (dict(consumers=4, ping_pong=False), "consumers=4"),
+    (dict(consumers=3), "consumers=3 needs ping_pong=False"),
+    (dict(consumers=3, ping_pong=False, consumer_registers=168), "consumer_registers=168"),
 ])
 def test_tile_validation(kw, bad):
   with pytest.raises(ValueError, match=bad):
@@ -191,6 +205,48 @@ def test_lowers_persistent(causal):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
+def _kernel_module(lowered: str) -> str:
+  """The Mosaic GPU module inside a lowered program (its custom call carries it as
+  MLIR bytecode), printed as text."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir import ir
+  raw = re.search(r'module = "((?:[^"\\]|\\.)*)"', lowered).group(1)
+  data, i = bytearray(), 0
+  while i < len(raw):                  # MLIR's string escapes: \\, \" and \XX (hex)
+    if raw[i] != "\\":
+      data.append(ord(raw[i])); i += 1
+    elif raw[i + 1] in '\\"':
+      data.append(ord(raw[i + 1])); i += 2
+    else:
+      data.append(int(raw[i + 1:i + 3], 16)); i += 3
+  with mlir.make_ir_context() as ctx:
+    ctx.allow_unregistered_dialects = True
+    return str(ir.Module.parse(bytes(data)))
+
+
+def test_three_consumers_refused_at_head_dim_256():
+  q, k, v = _qkv(256)
+  with pytest.raises(NotImplementedError, match="three consumer warpgroups"):
+    mf.check_supported(q, k, v, mf.MosaicConfig(64, 64, 2, **THREE_CONSUMERS))
+
+
+def test_lowers_three_consumers_with_their_register_split():
+  config = mf.MosaicConfig(64, 128, 2, persistent=True, **THREE_CONSUMERS)
+  assert config.register_split() == (160, 32)          # 4 x 128 = 3 x 160 + 32
+  module = _kernel_module(_lowered(64, MaskOptions(is_causal=True), config=config))
+  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+  assert counts == [32, 160]
+
+
+@pytest.mark.parametrize("consumer, producer", [(232, 40), (240, 24)])
+def test_register_split_reaches_the_kernel(consumer, producer):
+  config = dataclasses.replace(mf.default_config(256), consumer_registers=consumer)
+  assert config.register_split() == (consumer, producer)
+  module = _kernel_module(_lowered(256, MaskOptions(), config=config))
+  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+  assert counts == sorted([consumer, producer])
+
+
 @pytest.mark.parametrize("H", mf.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_overlapped(H, causal):
@@ -230,20 +286,25 @@ def _check_against_reference(q, k, v, out, lse, **kw):
   return int((~live).sum())
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_interpreted_pipeline_mqa_causal_off_tile(overlap):
-  """Two programs (T = 130 > 128 rows), the last one mostly padding; S = 200 in 64-key
-  tiles through 2 slots, so the producer refills slots behind the consumed barriers;
-  with the softmax overlapped with P V in each consumer, or ping-ponged."""
+THREE_CONSUMERS = dict(consumers=3, ping_pong=False)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(overlap=True), THREE_CONSUMERS])
+def test_interpreted_pipeline_mqa_causal_off_tile(variant):
+  """Two programs (T = 130 > 128 rows; 192 with three consumers), the last one mostly
+  padding; S = 200 in 64-key tiles through 2 slots, so the producer refills slots
+  behind the consumed barriers; with the two consumers ping-ponged, with the softmax
+  overlapped with P V in each consumer, or with three unsynchronised consumers."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=1)[:3]
-  config = mf.MosaicConfig(64, 64, 2, overlap=overlap)
+  config = mf.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=True)
   _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("causal, overlap", [(False, False), (True, False), (True, True)])
-def test_interpreted_persistent_grid_carries_slots_across_items(causal, overlap):
+@pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, dict(overlap=True)),
+                                             (True, THREE_CONSUMERS)])
+def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
   the items' tile counts differ (batch 1 sees 40 keys: one tile). Causal takes the
@@ -252,7 +313,7 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, overlap)
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
   kv_len = jnp.asarray([150, 40], jnp.int32)
   opts, ops = kernel_records(Masks(is_causal=causal, kv_lengths=kv_len), B=B, T=T, S=S)
-  config = mf.MosaicConfig(64, 64, 3, persistent=True, overlap=overlap)
+  config = mf.MosaicConfig(64, 64, 3, persistent=True, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
                               interpret=True, num_sms=3)
   _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,

@@ -1,24 +1,26 @@
 """FlashAttention forward on Pallas Mosaic GPU for Hopper: (q, k, v) -> (out, lse).
 
-One program per work item (batch, head, block of 2 * block_q query rows), or with
-`persistent` one per multiprocessor looping over the items, runs three warpgroups
-(FlashAttention-3, section 3.1, warp specialisation):
+One program per work item (batch, head, block of consumers * block_q query rows), or
+with `persistent` one per multiprocessor looping over the items, runs a producer and
+two (or three) consumer warpgroups (FlashAttention-3, section 3.1, warp specialisation):
 
 - a producer warpgroup that only issues bulk tensor copies (TMA) of K and V tiles into
   `stages` shared-memory slots, each slot guarded by a "loaded" barrier (completed by
   the copy engine) and a "consumed" barrier (one arrival per consumer);
-- two consumer warpgroups, each owning block_q query rows (a warpgroup matrix product
+- the consumer warpgroups, each owning block_q query rows (a warpgroup matrix product
   has M = 64 rows per warpgroup), that compute S = Q K^T and O += P V with `wgmma` and
   the online softmax in registers.
 
-The consumers are staggered by one "schedule" barrier of two arrivals (FlashAttention-3,
+Two consumers are staggered by one "schedule" barrier of two arrivals (FlashAttention-3,
 section 3.1, ping-pong scheduling): while one warpgroup runs its softmax (exp2 on the
-multi-function unit) the other's matrix products own the tensor cores. The producer
-shrinks its register file (`setmaxnreg`) so the consumers can grow theirs.
+multi-function unit) the other's matrix products own the tensor cores. Three consumers
+run unsynchronised (more warps per scheduler to hide the softmax's latencies, as
+FlashAttention-3 does at head_dim 64). The producer shrinks its register file
+(`setmaxnreg`) so the consumers can grow theirs.
 
 Which key tiles a block visits comes from the same per-tile schedule as the Triton
-kernels (`pallas_kernels.masking.build_ranges`, computed for the 2 * block_q rows the
-two consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
+kernels (`pallas_kernels.masking.build_ranges`, computed for the consumers * block_q
+rows the consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
 Producer and consumers read the same row of that table, so every slot barrier
 completes exactly as often as it is waited on. Logits stay in base 2 with
 scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
@@ -42,7 +44,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 HEAD_DIMS = (64, 128, 256)          # multiples of the 64-element (128-byte) swizzle row
 DTYPES = (jnp.bfloat16, jnp.float16)
-CONSUMERS = 2                       # consumer warpgroups per program
+CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
 SEMANTICS = ("lane", "warpgroup")
 
@@ -51,8 +53,8 @@ SEMANTICS = ("lane", "warpgroup")
 class MosaicConfig:
   """Tiles and compile options of the Mosaic GPU forward.
 
-  block_q: query rows per consumer warpgroup (a program owns 2 * block_q rows); a
-    multiple of 64, the M of one warpgroup matrix product.
+  block_q: query rows per consumer warpgroup (a program owns consumers * block_q
+    rows); a multiple of 64, the M of one warpgroup matrix product.
   block_k: key/value rows per pipeline slot (the N of S = Q K^T, <= 256).
   stages: shared-memory slots of K and V in flight.
   pv_in_place: rescale O and accumulate P V into it in place (True), or take P V
@@ -66,8 +68,15 @@ class MosaicConfig:
   overlap: FlashAttention-3's overlap inside one warpgroup (section 3.2): the next
     tile's S = Q K^T and this tile's P V are issued together and the next tile's
     softmax runs under the P V product, in place of the ping-pong between the two
-    consumers. Checked by lowering and by the interpreter only; the interpreter runs
-    the products one after the other, so only the GPU shows the overlap.
+    consumers. Correct on the H200 (mosaic_overlap_check_h200.json) but slower there
+    than the ping-pong at every head_dim (0.65x of it at d = 64, about 0.35x at d = 256,
+    where it spills; mosaic_sweep3_h200.json), so not in the table.
+  consumers: consumer warpgroups per program, 2 or 3.
+  ping_pong: stagger two consumers with the schedule barrier (needs consumers=2).
+  consumer_registers: registers per thread of each consumer warpgroup after
+    `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
+    None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
+    (FlashAttention-3).
   """
 
   block_q: int = 64
@@ -77,6 +86,9 @@ class MosaicConfig:
   semantics: str = "lane"
   persistent: bool = False
   overlap: bool = False
+  consumers: int = 2
+  ping_pong: bool = True
+  consumer_registers: int | None = None
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -87,6 +99,36 @@ class MosaicConfig:
       raise ValueError(f"block_k={self.block_k!r} must be 64, 128, 192 or 256")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
+    if self.consumers not in CONSUMER_COUNTS:
+      raise ValueError(f"consumers={self.consumers!r} must be one of {CONSUMER_COUNTS}")
+    if self.ping_pong and self.consumers != 2:
+      raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
+                       "needs ping_pong=False")
+    c, launch = self.register_split()[0], launch_registers(self.consumers)
+    most = (launch * (self.consumers + 1) - MIN_REGISTERS) // self.consumers // 8 * 8
+    if not isinstance(c, int) or c % 8 or not launch <= c <= most:
+      raise ValueError(f"consumer_registers={c!r} must be a multiple of 8 in "
+                       f"[{launch}, {most}] with {self.consumers} consumers")
+
+  def register_split(self) -> tuple[int, int]:
+    """(registers per consumer thread, per producer thread) after `setmaxnreg`."""
+    c = self.consumer_registers or DEFAULT_CONSUMER_REGISTERS[self.consumers]
+    return c, launch_registers(self.consumers) * (self.consumers + 1) - self.consumers * c
+
+
+# Registers per thread: a launch of n warpgroups gets 65536 / (128 n) each, rounded down
+# to the allocation unit of 8 (168 for three warpgroups, 128 for four), and `setmaxnreg`
+# only moves registers between warpgroups inside that pool; it can raise a count only
+# above the launch's, and the producer, which issues copies and waits on barriers, keeps
+# at least 24, setmaxnreg's lower bound (PTX ISA, setmaxnreg). The JAX and tokamax
+# kernels split 232/232/40; FlashAttention-3 (hopper/flash_fwd_kernel_sm90.h) 240/240/24
+# with two consumers and 160/160/160/32 with three.
+MIN_REGISTERS = 24
+DEFAULT_CONSUMER_REGISTERS = {2: 232, 3: 160}
+
+
+def launch_registers(consumers: int) -> int:
+  return 65536 // (128 * (consumers + 1)) // 8 * 8
 
 
 # Per (head_dim, causal), from the tile sweep on the H200 (bf16, jax 0.11.2;
@@ -105,11 +147,18 @@ class MosaicConfig:
 #   at best (16K d128 persistent 607 against 604 TF/s) and slower elsewhere; 64 at
 #   d = 256, where a 128-row K and V slot pair alone would take 128 KiB of the 227 KiB;
 #   at d = 64 causal, 128 query rows per consumer with key tiles of 64 (0.92x against
-#   0.87x): twice the rows per barrier round trip, the same 64 x 64 S tile in registers.
+#   0.87x): twice the rows per barrier round trip, the same 64 x 64 S tile in registers;
+# - at d = 128, three unsynchronised consumers in place of the ping-ponged two, in the
+#   same process (mosaic_sweep_consumers_h200.json): 611 against 599 TF/s at 16K
+#   (persistent), 589 against 565 causal (with 64 x 128 tiles both; 64-key tiles,
+#   0.85-0.93x cuDNN, lose). At d = 64 three were level (433 against 429) or slower
+#   (causal, 317-320 against 355); two consumers without the ping-pong were slower at
+#   d = 64 and 128 (0.92-0.94x) and level at d = 256.
+_THREE = dict(consumers=3, ping_pong=False)
 _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
           (64, True): MosaicConfig(128, 64, 2),
-          (128, False): MosaicConfig(64, 128, 2, persistent=True),
-          (128, True): MosaicConfig(64, 128, 2),
+          (128, False): MosaicConfig(64, 128, 2, persistent=True, **_THREE),
+          (128, True): MosaicConfig(64, 128, 2, **_THREE),
           (256, False): MosaicConfig(64, 64, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
 
@@ -129,9 +178,9 @@ SMEM_SLACK = 1024
 def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
   """Shared memory of one program: Q (reused for O), the K/V slots, lse rows, slack.
   (The compile reserves no reduction scratch: `compiler_params`.)"""
-  q = CONSUMERS * config.block_q * head_dim * itemsize
+  q = config.consumers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
-  return q + kv + CONSUMERS * config.block_q * 4 + SMEM_SLACK
+  return q + kv + config.consumers * config.block_q * 4 + SMEM_SLACK
 
 
 def check_head_dim_and_dtype(q, head_dims, what: str):
@@ -165,6 +214,11 @@ def check_shared_memory(config, head_dim: int, need: int):
 def check_supported(q, k, v, config: MosaicConfig):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
+  if config.consumers == 3 and q.shape[-1] > 128:
+    # The 64 x 256 float32 accumulator alone takes 128 of a consumer's 160 registers;
+    # Mosaic GPU's compile of this program fails on the H200 (mosaic_check_3wg_h200.json).
+    raise NotImplementedError(
+        f"three consumer warpgroups support head_dim <= 128, got {q.shape[-1]}")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
@@ -195,7 +249,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   qo_smem, k_smem, v_smem, lse_smem = r["qo_smem"], r["k_smem"], r["v_smem"], r["lse_smem"]
   k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
   k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
-  bq, bk, stages = config.block_q, config.block_k, config.stages
+  bq, bk, stages, C = config.block_q, config.block_k, config.stages, config.consumers
   H = qo_smem.shape[-1]
   wg = lax.axis_index("wg")
   # Register layouts: the tile layout of the matrix-product accumulator and its rows
@@ -240,17 +294,27 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     first = item(coords_of(cta), None)
     return lax.fori_loop(1, lax.div(num_items - cta + num_ctas - 1, num_ctas), step, first)
 
+  def schedule_arrive():
+    if config.ping_pong:
+      plgpu.barrier_arrive(schedule)
+
+  def schedule_wait():
+    if config.ping_pong:
+      plgpu.barrier_wait(schedule)
+
   def schedule_turn():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+    schedule_arrive()
+    schedule_wait()
 
   def tile_range(i, b):
     ranges = r["ranges"]
     return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
 
-  @pl.when(wg < CONSUMERS)
+  consumer_registers, producer_registers = config.register_split()
+
+  @pl.when(wg < C)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     q_smem = qo_smem.at[wg]
 
     def item(coords, tiles):
@@ -258,7 +322,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       lo, full_lo, full_hi, hi, kv_len = tile_range(i, b)
       passed = lambda j: j - lo if tiles is None else tiles + j - lo
       slot_of = lambda j: lax.rem(passed(j), stages)
-      row0 = i * (CONSUMERS * bq) + wg * bq
+      row0 = i * (C * bq) + wg * bq
       plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
       q_seg = None
       if "q_seg" in r:
@@ -301,9 +365,10 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         l_i = l_i * alpha + p.sum(axis=1)
         return p.astype(dtype), alpha, m_new, l_i
 
-      def ping_pong(acc, m_i, l_i):
-        """The key tiles, the two consumers staggered by the schedule barrier so that
-        one's softmax runs under the other's products (FlashAttention-3, 3.1)."""
+      def sequential(acc, m_i, l_i):
+        """The key tiles, each consumer's products and softmax one after the other; with
+        `ping_pong` the two consumers staggered by the schedule barrier so that one's
+        softmax runs under the other's products (FlashAttention-3, 3.1)."""
         @pl.when(hi > lo)
         def _():
           plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
@@ -331,9 +396,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           # Keep the softmax on this side of the barriers (the references found the order
           # matters for how the two consumers overlap).
           acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
-          plgpu.barrier_arrive(schedule)            # softmax done
+          schedule_arrive()                         # softmax done
           plgpu.barrier_wait(v_loaded.at[slot])
-          plgpu.barrier_wait(schedule)              # the other consumer left the tensor cores
+          schedule_wait()                           # the other consumer left the tensor cores
 
           def wait_next_k():                        # under this tile's P V product
             pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
@@ -433,7 +498,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         acc, _, _, m_i, l_i = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
         return acc, m_i, l_i
 
-      acc, m_i, l_i = (overlapped if config.overlap else ping_pong)(acc, m_i, l_i)
+      acc, m_i, l_i = (overlapped if config.overlap else sequential)(acc, m_i, l_i)
 
       # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
       # 0 and lse = -inf; a NaN sum stays NaN.
@@ -453,9 +518,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     for_each_item(item)
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == CONSUMERS)
+  @pl.when(wg == C)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
 
     def item(coords, tiles):
       i, n, b = coords
@@ -517,7 +582,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk = config.block_q, config.block_k
-  rows_per_program = CONSUMERS * bq
+  C = config.consumers
+  rows_per_program = C * bq
   Tp = -(-T // rows_per_program) * rows_per_program
   Sp = -(-S // bk) * bk
   # Whole tiles in memory: zero rows past T and S. Keys past S are masked in the last
@@ -535,16 +601,16 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   num_q_blocks = Tp // rows_per_program
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   scratch = dict(
-      qo_smem=plgpu.SMEM((CONSUMERS, bq, H), q.dtype, **swizzled),
+      qo_smem=plgpu.SMEM((C, bq, H), q.dtype, **swizzled),
       k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
       v_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
-      lse_smem=plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+      lse_smem=plgpu.SMEM((C, bq), jnp.float32),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
-      q_loaded=plgpu.Barrier(num_barriers=CONSUMERS),
-      k_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-      v_consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-      schedule=plgpu.Barrier(num_arrivals=CONSUMERS),
+      q_loaded=plgpu.Barrier(num_barriers=C),
+      k_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
+      v_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=2),        # the ping-pong pair (unused otherwise)
   )
   names = [*in_names, "out", "lse", *scratch]
   num_items = num_q_blocks * N * B
@@ -571,7 +637,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       scratch_types=list(scratch.values()),
       grid=grid,
       grid_names=grid_names,
-      num_threads=CONSUMERS + 1,
+      num_threads=C + 1,
       thread_name="wg",
       compiler_params=compiler_params(config.semantics),
       **extra,
