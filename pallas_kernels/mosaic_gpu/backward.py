@@ -64,8 +64,8 @@ class BackwardConfig:
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
     tiles (the variant checked and timed on the H200). 2: a third, producer
     warpgroup streams the tiles both consumers read, through `stages` slots
-    (FlashAttention-3's warp specialisation; checked by lowering and by Mosaic GPU's
-    interpreter only).
+    (FlashAttention-3's warp specialisation; correct on the H200 and within a few
+    percent of 1 there: mosaic_backward_check_h200_ws.json).
   """
 
   block_n: int = 64
