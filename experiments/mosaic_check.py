@@ -13,7 +13,9 @@ Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
   python -m experiments.mosaic_check                 # everything, on an H100/H200
   python -m experiments.mosaic_check --no-timing     # correctness and dispatch only
   python -m experiments.mosaic_check --sweep         # also tiles of the kernel per cell
-  python -m experiments.mosaic_check --overlap --no-timing   # the in-warpgroup overlap
+  python -m experiments.mosaic_check --sweep --no-check --cells "4K d64" --variants overlap
+  python -m experiments.mosaic_check --config '{"overlap": true}' --no-timing
+                                                     # the cases with MosaicGPUConfig(**JSON)
 
 With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 "mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
@@ -259,7 +261,7 @@ def time_cells(rounds, sweep, peers, cells, variants=()):
                    " fresh") + ("" if config.semantics == "lane" else " warpgroup")
                    + (" persistent" if config.persistent else "")
                    + (" overlap" if config.overlap else "")
-                   + (f" x{config.consumers}wg" if config.consumers != 2 else "")
+                   + (f" consumers{config.consumers}" if config.consumers != 2 else "")
                    + ("" if config.ping_pong or config.consumers != 2 else " no-ping-pong")
                    + (f" regs{config.consumer_registers}" if config.consumer_registers else ""))
           if variants and not any(v in label for v in variants):
@@ -307,14 +309,15 @@ def sweep_configs(H):
                                                  smem_bytes)
   cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[H]
            for p in (False, True)]
-  cands += [dataclasses.replace(default_config(H, c), overlap=True) for c in (False, True)]
-  cands += [dataclasses.replace(default_config(H, c), consumer_registers=240)
-            for c in (False, True)]
+  two = [default_config(H, c).with_consumers(2) for c in (False, True)]  # the table may hold 3
+  cands += [dataclasses.replace(c, overlap=True) for c in two]
+  cands += [dataclasses.replace(c, consumer_registers=240) for c in two]
   # Three consumers, unsynchronised (FlashAttention-3's choice at head_dim 64), and two
   # without the ping-pong.
-  cands += [MosaicConfig(64, bk, st, persistent=p, consumers=3, ping_pong=False)
-            for bk, st in ((128, 2), (64, 2)) for p in (False, True)]
-  cands += [dataclasses.replace(default_config(H, c), ping_pong=False) for c in (False, True)]
+  if H <= 128:
+    cands += [MosaicConfig(64, bk, st, persistent=p, consumers=3)
+              for bk, st in ((128, 2), (64, 2)) for p in (False, True)]
+  cands += [dataclasses.replace(c, ping_pong=False) for c in two]
   return [c for c in cands if smem_bytes(H, 2, c) <= SMEM_BYTES]
 
 
@@ -516,8 +519,6 @@ def main(argv=None):
   p.add_argument("--config", default=None,
                  help='check the forward with MosaicGPUConfig(**JSON), e.g. '
                       '\'{"consumers": 3, "ping_pong": false}\'')
-  p.add_argument("--overlap", action="store_true",
-                 help="check the forward with MosaicGPUConfig(overlap=True)")
   p.add_argument("--backward", action="store_true",
                  help="check and time the Mosaic GPU backward instead")
   p.add_argument("--backward-consumers", type=int, choices=(1, 2), default=1,
@@ -530,10 +531,8 @@ def main(argv=None):
     return main_backward(args)
   result = {"dispatch": check_dispatch()}
   print("dispatch", result["dispatch"], flush=True)
-  # --overlap: the forward cases with FlashAttention-3's in-warpgroup overlap.
   # --config JSON: with those MosaicGPUConfig fields.
-  fields = {**json.loads(args.config or "{}"), **({"overlap": True} if args.overlap else {})}
-  config = jflash.MosaicGPUConfig(**fields) if fields else None
+  config = jflash.MosaicGPUConfig(**json.loads(args.config)) if args.config else None
   checks = []
   if not args.no_check:
     for i, (name, shape, dtype, kw) in enumerate(cases()):

@@ -68,7 +68,7 @@ fi
 # with `python -m experiments.mosaic_check --sweep`).
 if [ "${MOSAIC_OVERLAP_CHECK:-0}" = 1 ]; then
   step mosaic_overlap_check $(( $(left) * 20 / 100 )) $py -m experiments.mosaic_check \
-    --overlap --no-timing --name mosaic_overlap_check_h200 --out-dir "$out"
+    --config '{"overlap": true}' --no-timing --name mosaic_overlap_check_h200 --out-dir "$out"
 fi
 # MOSAIC_WS_CHECK=1: the warp-specialised backward's gradients, then its timing against
 # the Triton backward and cuDNN, in a process of its own (a hang costs only its share).

@@ -47,9 +47,15 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
   own = cfg.backend_config(MosaicGPUConfig)
   if own is None:
     return config
-  fields = {name: getattr(own, name)
-            for name in own.forward_fields}
-  return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
+  fields = {name: getattr(own, name) for name in own.forward_fields
+            if getattr(own, name) is not None}
+  if "consumers" in fields:   # the table's ping-pong and registers go with its own count
+    config = config.with_consumers(fields.pop("consumers"))
+  try:
+    return dataclasses.replace(config, **fields)
+  except ValueError as e:
+    raise ValueError(f"{e} (over the default {config} at head_dim={q.shape[-1]}; "
+                     "set consumers too)") from None
 
 
 def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | None):

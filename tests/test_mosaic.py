@@ -6,7 +6,8 @@ Three levels, all on the CI machine:
 - lowering: the kernel's Pallas program lowers to the Mosaic GPU dialect for CUDA
   (cross-platform lowering; nothing runs), for every head dim and every mask path;
 - interpretation: the same kernel run by Mosaic GPU's own interpreter (simulated shared
-  memory, barriers, bulk copies and three warpgroups) against the float64 reference.
+  memory, barriers, bulk copies and three or four warpgroups) against the float64
+  reference.
   The interpreter has no in-register or transposed matrix-product operands and no layout
   casts, so there the two products are plain dots; the schedule, the slot barriers, the
   producer's refills, masks, tails and the normalisation are the kernel's own.
@@ -100,10 +101,28 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
   assert mosaic_impl.kernel_config(q, *regs).consumer_registers == 240
   with pytest.raises(ValueError, match="consumer_registers=250"):
     jflash.MosaicGPUConfig(consumer_registers=250)
-  three = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumers=3, ping_pong=False))
+  three = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumers=3))
   assert mosaic_impl.kernel_config(q, *three).register_split() == (160, 32)
+  assert not mosaic_impl.kernel_config(q, *three).ping_pong
   with pytest.raises(ValueError, match="ping_pong=False"):
-    jflash.MosaicGPUConfig(consumers=3)
+    jflash.MosaicGPUConfig(consumers=3, ping_pong=True)
+
+
+def test_overriding_the_three_consumer_default_at_head_dim_128():
+  """The table runs three consumers at d = 128: asking for two brings back the ping-pong
+  and the two-consumer registers; a two-consumer field alone is refused, naming the
+  default it was laid over."""
+  q, k, v = _qkv(128)
+  assert mosaic_impl.kernel_config(q, *_prepared(q, k, v)).consumers == 3
+  two = mosaic_impl.kernel_config(q, *_prepared(q, k, v,
+                                                config=jflash.MosaicGPUConfig(consumers=2)))
+  assert (two.consumers, two.ping_pong, two.register_split()) == (2, True, (232, 40))
+  regs = jflash.MosaicGPUConfig(consumers=2, consumer_registers=240)
+  assert mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=regs)).register_split() == (
+      240, 24)
+  for alone in (dict(ping_pong=True), dict(consumer_registers=240)):
+    with pytest.raises(ValueError, match="set consumers too"):
+      mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=jflash.MosaicGPUConfig(**alone)))
 
 
 def test_registered_and_refused_on_cpu_with_the_reason():
@@ -137,9 +156,10 @@ def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, orde
     (dict(block_k=96), "block_k=96"), (dict(stages=1), "stages=1"),
     (dict(consumer_registers=248), "consumer_registers=248"),
     (dict(consumer_registers=236), "consumer_registers=236"),
-    (dict(consumers=4, ping_pong=False), "consumers=4"),
-    (dict(consumers=3), "consumers=3 needs ping_pong=False"),
-    (dict(consumers=3, ping_pong=False, consumer_registers=168), "consumer_registers=168"),
+    (dict(consumers=4), "consumers=4"), (dict(consumers=2.0), "consumers=2.0"),
+    (dict(consumers=3, ping_pong=True), "consumers=3 needs ping_pong=False"),
+    (dict(ping_pong=0), "ping_pong=0"), (dict(consumer_registers=0), "consumer_registers=0"),
+    (dict(consumers=3, consumer_registers=168), "consumer_registers=168"),
 ])
 def test_tile_validation(kw, bad):
   with pytest.raises(ValueError, match=bad):
@@ -224,10 +244,22 @@ def _kernel_module(lowered: str) -> str:
     return str(ir.Module.parse(bytes(data)))
 
 
-def test_three_consumers_refused_at_head_dim_256():
-  q, k, v = _qkv(256)
+@pytest.mark.parametrize("H, config", [
+    (256, dict(block_q=64, block_k=64)), (64, dict(block_q=64, block_k=256)),
+    (128, dict(block_q=128, block_k=64)), (64, dict(block_q=64, block_k=128, overlap=True))])
+def test_three_consumers_refused_where_they_do_not_compile(H, config):
+  # A program compiles within 128 registers per thread with four warpgroups.
+  q, k, v = _qkv(H)
   with pytest.raises(NotImplementedError, match="three consumer warpgroups"):
-    mf.check_supported(q, k, v, mf.MosaicConfig(64, 64, 2, **THREE_CONSUMERS))
+    mf.check_supported(q, k, v, mf.MosaicConfig(**config, **THREE_CONSUMERS))
+
+
+@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+def test_sweep_variants_are_configs_the_kernel_takes(H):
+  from experiments.mosaic_check import sweep_configs
+  q, k, v = _qkv(H)
+  for config in sweep_configs(H):
+    mf.check_supported(q, k, v, config)
 
 
 def test_lowers_three_consumers_with_their_register_split():
@@ -250,7 +282,7 @@ def test_register_split_reaches_the_kernel(consumer, producer):
 @pytest.mark.parametrize("H", mf.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_overlapped(H, causal):
-  config = dataclasses.replace(mf.default_config(H, causal), overlap=True)
+  config = dataclasses.replace(mf.default_config(H, causal).with_consumers(2), overlap=True)
   assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal), config=config)
 
 
@@ -286,15 +318,16 @@ def _check_against_reference(q, k, v, out, lse, **kw):
   return int((~live).sum())
 
 
-THREE_CONSUMERS = dict(consumers=3, ping_pong=False)
+THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolves to False
 
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap=True), THREE_CONSUMERS])
 def test_interpreted_pipeline_mqa_causal_off_tile(variant):
-  """Two programs (T = 130 > 128 rows; 192 with three consumers), the last one mostly
-  padding; S = 200 in 64-key tiles through 2 slots, so the producer refills slots
-  behind the consumed barriers; with the two consumers ping-ponged, with the softmax
-  overlapped with P V in each consumer, or with three unsynchronised consumers."""
+  """Two programs of 128 rows (T = 130), the last one mostly padding (with three
+  consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
+  through 2 slots, so the producer refills slots behind the consumed barriers; with the
+  two consumers ping-ponged, with the softmax overlapped with P V in each consumer, or
+  with three unsynchronised consumers."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=1)[:3]
   config = mf.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
@@ -308,14 +341,15 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant)
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
   the items' tile counts differ (batch 1 sees 40 keys: one tile). Causal takes the
-  items in the other order (batches fastest, heaviest query block first)."""
+  items in the other order (batches fastest, heaviest query block first). With three
+  consumers (192-row blocks: one per batch) one program takes both items."""
   B, T, S = 2, 130, 150
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
   kv_len = jnp.asarray([150, 40], jnp.int32)
   opts, ops = kernel_records(Masks(is_causal=causal, kv_lengths=kv_len), B=B, T=T, S=S)
   config = mf.MosaicConfig(64, 64, 3, persistent=True, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
-                              interpret=True, num_sms=3)
+                              interpret=True, num_sms=1 if config.consumers == 3 else 3)
   _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
                            is_causal=causal)
 

@@ -10,7 +10,8 @@ cap, dK = scale dS'^T Q, dQ = scale dS' K, with delta = rowsum(dO * O) minus the
 cotangent (`backward_statistics`, shared with the Triton kernels).
 
 Two kernels, each program one warpgroup (M = 64 rows of every warpgroup matrix
-product; no warp specialisation yet) that loads its tiles with bulk tensor copies
+product; `BackwardConfig.consumers=2` is the warp-specialised variant) that loads its
+tiles with bulk tensor copies
 (TMA): the program's fixed operands once, the streamed ones double-buffered (the next
 tile's copies are issued before this tile's products):
 
@@ -43,8 +44,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, _load_vector,
-                                               _plgpu, check_head_dim_and_dtype,
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, MosaicConfig,
+                                               _load_vector, _plgpu, check_head_dim_and_dtype,
                                                check_shared_memory, compiler_params, pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
@@ -64,8 +65,9 @@ class BackwardConfig:
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
     tiles (the variant checked and timed on the H200). 2: a third, producer
     warpgroup streams the tiles both consumers read, through `stages` slots
-    (FlashAttention-3's warp specialisation; correct on the H200 and within a few
-    percent of 1 there: mosaic_backward_check_h200_ws.json).
+    (FlashAttention-3's warp specialisation; correct on the H200, and there +3% at
+    MHA d = 128, -2 to -7% with grouped heads and -22% for MQA causal against 1:
+    mosaic_backward_check_h200_ws.json).
   """
 
   block_n: int = 64
@@ -311,15 +313,17 @@ def _warp_specialised(wg, consumers, produce, consume):
   """Warpgroup `consumers` runs `produce` with a small register file; the others run
   `consume(wg)` with the registers it gives up (setmaxnreg)."""
   plgpu = _plgpu()
+  # The forward's split for the same count of warpgroups (its record holds the rule).
+  consumer_registers, producer_registers = MosaicConfig(consumers=consumers).register_split()
 
   @pl.when(wg == consumers)
   def _():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
     produce()
 
   @pl.when(wg < consumers)
   def _():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     consume(wg)
 
 

@@ -69,10 +69,11 @@ class MosaicConfig:
     tile's S = Q K^T and this tile's P V are issued together and the next tile's
     softmax runs under the P V product, in place of the ping-pong between the two
     consumers. Correct on the H200 (mosaic_overlap_check_h200.json) but slower there
-    than the ping-pong at every head_dim (0.65x of it at d = 64, about 0.35x at d = 256,
-    where it spills; mosaic_sweep3_h200.json), so not in the table.
+    than the table's kernel (0.90x at 4K d = 64, 0.71x causal, 0.34-0.45x at d = 256,
+    where it spills; d = 128 not timed; mosaic_sweep3_h200.json), so not in the table.
   consumers: consumer warpgroups per program, 2 or 3.
-  ping_pong: stagger two consumers with the schedule barrier (needs consumers=2).
+  ping_pong: stagger two consumers with the schedule barrier (two only); None: True
+    with two consumers, False with three.
   consumer_registers: registers per thread of each consumer warpgroup after
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
@@ -87,7 +88,7 @@ class MosaicConfig:
   persistent: bool = False
   overlap: bool = False
   consumers: int = 2
-  ping_pong: bool = True
+  ping_pong: bool | None = None
   consumer_registers: int | None = None
 
   def __post_init__(self):
@@ -99,20 +100,32 @@ class MosaicConfig:
       raise ValueError(f"block_k={self.block_k!r} must be 64, 128, 192 or 256")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
-    if self.consumers not in CONSUMER_COUNTS:
+    if type(self.consumers) is not int or self.consumers not in CONSUMER_COUNTS:
       raise ValueError(f"consumers={self.consumers!r} must be one of {CONSUMER_COUNTS}")
+    if self.ping_pong is None:     # resolved here, so the kernel reads a bool
+      object.__setattr__(self, "ping_pong", self.consumers == 2)
+    if not isinstance(self.ping_pong, bool):
+      raise ValueError(f"ping_pong={self.ping_pong!r} must be a bool or None")
     if self.ping_pong and self.consumers != 2:
       raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
                        "needs ping_pong=False")
     c, launch = self.register_split()[0], launch_registers(self.consumers)
     most = (launch * (self.consumers + 1) - MIN_REGISTERS) // self.consumers // 8 * 8
-    if not isinstance(c, int) or c % 8 or not launch <= c <= most:
+    if type(c) is not int or c % 8 or not launch <= c <= most:
       raise ValueError(f"consumer_registers={c!r} must be a multiple of 8 in "
                        f"[{launch}, {most}] with {self.consumers} consumers")
 
+  def with_consumers(self, consumers: int) -> "MosaicConfig":
+    """These tiles with `consumers` consumer warpgroups and that count's own ping-pong
+    and register defaults."""
+    return dataclasses.replace(self, consumers=consumers, ping_pong=None,
+                               consumer_registers=None)
+
   def register_split(self) -> tuple[int, int]:
     """(registers per consumer thread, per producer thread) after `setmaxnreg`."""
-    c = self.consumer_registers or DEFAULT_CONSUMER_REGISTERS[self.consumers]
+    c = self.consumer_registers
+    if c is None:
+      c = DEFAULT_CONSUMER_REGISTERS[self.consumers]
     return c, launch_registers(self.consumers) * (self.consumers + 1) - self.consumers * c
 
 
@@ -154,11 +167,10 @@ def launch_registers(consumers: int) -> int:
 #   0.85-0.93x cuDNN, lose). At d = 64 three were level (433 against 429) or slower
 #   (causal, 317-320 against 355); two consumers without the ping-pong were slower at
 #   d = 64 and 128 (0.92-0.94x) and level at d = 256.
-_THREE = dict(consumers=3, ping_pong=False)
 _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
           (64, True): MosaicConfig(128, 64, 2),
-          (128, False): MosaicConfig(64, 128, 2, persistent=True, **_THREE),
-          (128, True): MosaicConfig(64, 128, 2, **_THREE),
+          (128, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
+          (128, True): MosaicConfig(64, 128, 2, consumers=3),
           (256, False): MosaicConfig(64, 64, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
 
@@ -214,11 +226,19 @@ def check_shared_memory(config, head_dim: int, need: int):
 def check_supported(q, k, v, config: MosaicConfig):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
-  if config.consumers == 3 and q.shape[-1] > 128:
-    # The 64 x 256 float32 accumulator alone takes 128 of a consumer's 160 registers;
-    # Mosaic GPU's compile of this program fails on the H200 (mosaic_check_3wg_h200.json).
-    raise NotImplementedError(
-        f"three consumer warpgroups support head_dim <= 128, got {q.shape[-1]}")
+  if config.consumers == 3:
+    # ptxas compiles the program within the launch's registers, 128 per thread for four
+    # warpgroups (setmaxnreg moves registers only at run time), and refuses an
+    # instruction whose operands need more: at d = 256 the 64 x 256 float32 accumulator
+    # alone is 128 ("Insufficient registers (128)", mosaic_sweep_consumers_h200.log).
+    # What ran on the H200 with three: 64-row consumers, key tiles <= 128, d <= 128,
+    # no in-warpgroup overlap (two accumulators live).
+    H = q.shape[-1]
+    if H > 128 or config.block_q != 64 or config.block_k > 128 or config.overlap:
+      raise NotImplementedError(
+          f"three consumer warpgroups support head_dim <= 128, block_q=64, block_k <= 128 "
+          f"and no overlap (a program is compiled within 128 registers per thread); got "
+          f"head_dim={H}, {config}")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
