@@ -248,7 +248,7 @@ def _kernel_module(lowered: str) -> str:
     (256, dict(block_q=64, block_k=64)), (64, dict(block_q=64, block_k=256)),
     (128, dict(block_q=128, block_k=64)), (64, dict(block_q=64, block_k=128, overlap=True))])
 def test_three_consumers_refused_where_they_do_not_compile(H, config):
-  # A program compiles within 128 registers per thread with four warpgroups.
+  # Outside what compiled on the H200 (a launch of four warpgroups: 128 registers each).
   q, k, v = _qkv(H)
   with pytest.raises(NotImplementedError, match="three consumer warpgroups"):
     mf.check_supported(q, k, v, mf.MosaicConfig(**config, **THREE_CONSUMERS))

@@ -227,17 +227,17 @@ def check_supported(q, k, v, config: MosaicConfig):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
   if config.consumers == 3:
-    # ptxas compiles the program within the launch's registers, 128 per thread for four
-    # warpgroups (setmaxnreg moves registers only at run time), and refuses an
-    # instruction whose operands need more: at d = 256 the 64 x 256 float32 accumulator
-    # alone is 128 ("Insufficient registers (128)", mosaic_sweep_consumers_h200.log).
-    # What ran on the H200 with three: 64-row consumers, key tiles <= 128, d <= 128,
-    # no in-warpgroup overlap (two accumulators live).
+    # A launch of four warpgroups has 128 registers per thread, and ptxas held the
+    # consumers' matrix products to that although setmaxnreg raises them to 160: at
+    # d = 256 it refused the 64 x 256 float32 accumulator ("Insufficient registers
+    # (128) ... register target of 158 or higher", mosaic_sweep_consumers_h200.log).
+    # Only what ran on the H200 with three is taken: 64-row consumers, key tiles
+    # <= 128, d <= 128, no in-warpgroup overlap (two accumulators live).
     H = q.shape[-1]
     if H > 128 or config.block_q != 64 or config.block_k > 128 or config.overlap:
       raise NotImplementedError(
           f"three consumer warpgroups support head_dim <= 128, block_q=64, block_k <= 128 "
-          f"and no overlap (a program is compiled within 128 registers per thread); got "
+          f"and no overlap (their products must fit 128 registers per thread); got "
           f"head_dim={H}, {config}")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
