@@ -145,7 +145,6 @@ class MosaicGPUConfig(BackendConfig):
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
       "consumer_registers")
-  warpgroup_fields: ClassVar[tuple[str, ...]] = ("consumers", "ping_pong", "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
 
   block_q: int | None = None
@@ -161,8 +160,6 @@ class MosaicGPUConfig(BackendConfig):
   backward_consumers: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "stages"):
-      _check_positive(name, getattr(self, name))
     if self.backward not in self.backward_kinds:
       raise ValueError(f"backward={self.backward!r} must be one of {self.backward_kinds}")
     # The backward's tile rules live with the kernel's own record: building one checks
@@ -172,13 +169,14 @@ class MosaicGPUConfig(BackendConfig):
       BackwardConfig(**self.backward_fields())
     except ValueError as e:
       raise ValueError(f"backward_{e}") from None
-    for name in ("persistent", "overlap", "ping_pong"):
+    for name in ("persistent", "overlap"):     # the kernel's record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
-    # The warpgroup fields' rules live with the kernel's record: building one checks
-    # them.
+    # The forward's rules live with the kernel's record too: building one from the
+    # fields set here checks each (their combination with the per-head_dim default is
+    # checked when the call's config is built, `jflash.mosaic_impl.kernel_config`).
     from pallas_kernels.mosaic_gpu.forward import MosaicConfig
-    MosaicConfig(**{name: getattr(self, name) for name in self.warpgroup_fields
+    MosaicConfig(**{name: getattr(self, name) for name in self.forward_fields
                     if getattr(self, name) is not None})
 
   def backward_fields(self) -> dict:
