@@ -23,11 +23,13 @@ rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x g
 for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
 window + segments + soft cap + lengths (0 included); a NaN in one query row; then
 fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
-(FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal). `--backward-consumers 2`
-checks and times the warp-specialised kernels instead (JSON name ..._ws).
+(FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal). `--backward-configs`
+checks and times other variants of the Mosaic GPU backward (MosaicGPUConfig backward
+fields, one dict per variant), e.g. the warp-specialised kernels or dQ in the dK/dV kernel.
 
   python -m experiments.mosaic_check --backward                    # on an H100/H200
-  python -m experiments.mosaic_check --backward --backward-consumers 2
+  python -m experiments.mosaic_check --backward --backward-configs \
+      '[{"backward_fused_dq": true}, {"backward_fused_dq": true, "backward_consumers": 2}]'
   python -m experiments.mosaic_check --backward --dry-run-cpu      # tiny, interpreted
 """
 from __future__ import annotations
@@ -323,9 +325,17 @@ def sweep_configs(H):
 
 # -- the Mosaic GPU backward -----------------------------------------------------------------
 
-def mosaic_backward(consumers=1):
-  """The config that forces the Mosaic GPU backward, with 1 or 2 consumer warpgroups."""
-  return jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers)
+def mosaic_backward(fields=None):
+  """The config that forces the Mosaic GPU backward, with the MosaicGPUConfig backward
+  fields `fields` (e.g. {"backward_consumers": 2})."""
+  return jflash.MosaicGPUConfig(backward="mosaic_gpu", **(fields or {}))
+
+
+def backward_label(fields):
+  """"bwd=mosaic_gpu" and the fields set, e.g. "bwd=mosaic_gpu consumers=2 fused_dq"."""
+  parts = [k.removeprefix("backward_") + ("" if v is True else f"={v}")
+           for k, v in sorted((fields or {}).items())]
+  return " ".join(["bwd=mosaic_gpu", *parts])
 
 
 # The forward's cases that are not in the backward check as it ran on the H200
@@ -342,7 +352,7 @@ def backward_cases():
           if shape[-1] in HEAD_DIMS and not name.startswith(BACKWARD_LEAVES_OUT)]
 
 
-def check_backward_case(name, shape, dtype, kw, seed, consumers=1):
+def check_backward_case(name, shape, dtype, kw, seed, fields=None):
   row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
   try:
     q, k, v = _inputs(shape, dtype, seed)
@@ -352,7 +362,7 @@ def check_backward_case(name, shape, dtype, kw, seed, consumers=1):
       f = lambda q, k, v: jflash.attention(q, k, v, implementation=impl, config=config, **kw)
       return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
     t0 = time.perf_counter()
-    got = grads(IMPL, mosaic_backward(consumers))
+    got = grads(IMPL, mosaic_backward(fields))
     block(got)
     row["first_call_s"] = round(time.perf_counter() - t0, 2)
     plain = grads("xla")
@@ -375,7 +385,7 @@ def check_backward_case(name, shape, dtype, kw, seed, consumers=1):
   return row
 
 
-def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), consumers=1):
+def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), fields=None):
   """A NaN in one visible query row (causal): dq NaN in that row only; dv NaN exactly
   for the keys that row sees (a hidden key keeps P = 0)."""
   row = {"name": "bwd NaN in one query row", "ok": False}
@@ -385,7 +395,7 @@ def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), consumers=1):
     q = q.at[0, t_bad, 1, 5].set(jnp.nan)
     do = jnp.ones_like(q)
     f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=IMPL,
-                                         config=mosaic_backward(consumers))
+                                         config=mosaic_backward(fields))
     dq, dk, dv = (np.asarray(g, np.float32) for g in
                   jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))(q, k, v))
     dq_rows = np.argwhere(~np.isfinite(dq).all(-1)).tolist()       # [b, t, n]
@@ -406,10 +416,10 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
 ]
 
 
-def time_backward_cells(rounds, cells, consumers=1):
+def time_backward_cells(rounds, cells, variants=({},)):
   """fwd+bwd TFLOP/s (one jitted vjp with a fixed output cotangent) of mosaic_gpu with
-  the Mosaic GPU backward (`consumers` warpgroups), with the Triton backward, and of
-  cuDNN."""
+  the Mosaic GPU backward (each of `variants`: MosaicGPUConfig backward fields), with
+  the Triton backward, and of cuDNN. ratio_vs_cudnn is the first variant's."""
   rows = []
   for name, B, S, N, K, H in BACKWARD_CELLS:
     if cells and not any(c in name for c in cells):
@@ -424,10 +434,12 @@ def time_backward_cells(rounds, cells, consumers=1):
 
       def vjp_of(f):
         return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
-      fns = {
-          f"{IMPL} bwd=mosaic_gpu": vjp_of(lambda q, k, v: jflash.attention(
+      fns = {f"{IMPL} {backward_label(fields)}": vjp_of(
+          lambda q, k, v, fields=fields: jflash.attention(
               q, k, v, is_causal=causal, implementation=IMPL,
-              config=mosaic_backward(consumers))),
+              config=mosaic_backward(fields))) for fields in variants}
+      first = next(iter(fns))
+      fns |= {
           f"{IMPL} bwd=pallas": vjp_of(lambda q, k, v: jflash.attention(
               q, k, v, is_causal=causal, implementation=IMPL,
               config=jflash.MosaicGPUConfig(backward="pallas"))),
@@ -444,45 +456,57 @@ def time_backward_cells(rounds, cells, consumers=1):
           row["tflops"][impl] = None
           row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
       t = row["tflops"]
-      if t.get(f"{IMPL} bwd=mosaic_gpu") and t.get("cudnn"):
-        row["ratio_vs_cudnn"] = round(t[f"{IMPL} bwd=mosaic_gpu"] / t["cudnn"], 3)
+      if t.get(first) and t.get("cudnn"):
+        row["ratio_vs_cudnn"] = round(t[first] / t["cudnn"], 3)
       print(row, flush=True)
       rows.append(row)
   return rows
 
 
-def dry_run_cpu(consumers=1):
+def dry_run_cpu(variants=({},)):
   """The --backward checks on a CPU: tiny shapes, the kernels under Mosaic GPU's
   interpreter (the adapter interprets off the GPU), the device check bypassed. It
   tests this script, not the GPU."""
   from jflash import mosaic_impl
   mosaic_impl.device_capability = lambda device=None: ("gpu", "9.0")
-  rows = [check_backward_case("dry gqa 4/2 d64 causal, T=70 S=90", (1, 70, 90, 4, 2, 64),
-                              jnp.bfloat16, dict(is_causal=True), seed=0, consumers=consumers),
-          check_backward_nan((1, 64, 64, 2, 2, 64), consumers=consumers)]
+  rows = []
+  for fields in variants:
+    label = backward_label(fields)
+    rows += [check_backward_case(f"dry gqa 4/2 d64 causal, T=70 S=90 {label}",
+                                 (1, 70, 90, 4, 2, 64), jnp.bfloat16, dict(is_causal=True),
+                                 seed=0, fields=fields),
+             check_backward_nan((1, 64, 64, 2, 2, 64), fields=fields)]
   for r in rows:
     print(r, flush=True)
   return 0 if all(r["ok"] for r in rows) else 1
 
 
 def main_backward(args):
+  # --backward-configs JSON: a list of MosaicGPUConfig backward-field dicts, each checked
+  # (case names gain its label) and timed.
+  variants = json.loads(args.backward_configs)
+  for fields in variants:
+    mosaic_backward(fields)            # a bad field fails here, before any compile
   if args.dry_run_cpu:
-    return dry_run_cpu(args.backward_consumers)
+    return dry_run_cpu(variants)
   checks = []
   if not args.no_check:
-    for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
-      if args.only and args.only not in name:
-        continue
-      checks.append(check_backward_case(name, shape, dtype, kw, seed=i,
-                                        consumers=args.backward_consumers))
+    for fields in variants:
+      suffix = "" if not fields else " " + backward_label(fields).removeprefix("bwd=mosaic_gpu ")
+      for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
+        if args.only and args.only not in name:
+          continue
+        checks.append(check_backward_case(name + suffix, shape, dtype, kw, seed=i,
+                                          fields=fields))
+        print(checks[-1], flush=True)
+      checks.append(check_backward_nan(fields=fields))
+      checks[-1]["name"] += suffix
       print(checks[-1], flush=True)
-    checks.append(check_backward_nan(consumers=args.backward_consumers))
-    print(checks[-1], flush=True)
   timing = [] if args.no_timing else time_backward_cells(
-      args.rounds, [c for c in args.cells.split(",") if c], args.backward_consumers)
+      args.rounds, [c for c in args.cells.split(",") if c], variants)
   name = args.name
   if name == "mosaic_check_h200":
-    name = "mosaic_backward_check_h200" + ("" if args.backward_consumers == 1 else "_ws")
+    name = "mosaic_backward_check_h200"
   path = write_result(name, vars(args), checks, extra={"timing": timing}, out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]
   print(f"\n{len(checks) - len(bad)}/{len(checks)} backward checks within the rule; failed: {bad}")
@@ -510,9 +534,10 @@ def main(argv=None):
                       '\'{"consumers": 3, "ping_pong": false}\'')
   p.add_argument("--backward", action="store_true",
                  help="check and time the Mosaic GPU backward instead")
-  p.add_argument("--backward-consumers", type=int, choices=(1, 2), default=1,
-                 help="with --backward: consumer warpgroups of the Mosaic GPU backward "
-                      "(2: the warp-specialised kernels)")
+  p.add_argument("--backward-configs", default="[{}]",
+                 help="with --backward: a JSON list of MosaicGPUConfig backward fields, "
+                      "each checked and timed, e.g. "
+                      '\'[{"backward_consumers": 2, "backward_fused_dq": true}]\'')
   p.add_argument("--dry-run-cpu", action="store_true",
                  help="with --backward: tiny interpreted checks on a CPU (tests this script)")
   args = p.parse_args(argv)

@@ -74,7 +74,8 @@ fi
 # the Triton backward and cuDNN, in a process of its own (a hang costs only its share).
 if [ "${MOSAIC_WS_CHECK:-0}" = 1 ]; then
   step mosaic_ws_check $(( $(left) * 30 / 100 )) $py -m experiments.mosaic_check \
-    --backward --backward-consumers 2 --rounds 3 --out-dir "$out"
+    --backward --backward-configs '[{"backward_consumers": 2}]' --rounds 3 \
+    --name mosaic_backward_check_h200_ws --out-dir "$out"
 fi
 if [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
   step mosaic_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \

@@ -139,6 +139,10 @@ class MosaicGPUConfig(BackendConfig):
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
       program: 1 (the default) or 2 with a producer warpgroup (warp-specialised;
       on the H200 +3% at MHA d = 128, -2 to -7% with grouped heads, -22% MQA causal).
+    backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
+      dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
+      (FlashAttention-3; five matrix products per tile instead of seven, not
+      bit-identical on repeat); needs backward_block_n 64.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -158,6 +162,7 @@ class MosaicGPUConfig(BackendConfig):
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
+  backward_fused_dq: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:
@@ -181,5 +186,6 @@ class MosaicGPUConfig(BackendConfig):
 
   def backward_fields(self) -> dict:
     """The backward fields set here, by the name of the Mosaic GPU backward's record."""
-    fields = {"block_n": self.backward_block_n, "consumers": self.backward_consumers}
+    fields = {"block_n": self.backward_block_n, "consumers": self.backward_consumers,
+              "fused_dq": self.backward_fused_dq}
     return {k: v for k, v in fields.items() if v is not None}

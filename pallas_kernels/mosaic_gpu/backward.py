@@ -68,12 +68,20 @@ class BackwardConfig:
     (FlashAttention-3's warp specialisation; correct on the H200, and there +3% at
     MHA d = 128, -2 to -7% with grouped heads and -22% for MQA causal against 1:
     mosaic_backward_check_h200_ws.json).
+  fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3, section 3.3 of its
+    paper): each tile's dS' is also written to shared memory, dQ += dS' K of the tile
+    is one more product there, and the copy engine adds it to a float32 dQ in global
+    memory (bulk reduce-add). S and dP are then computed once per tile instead of
+    twice (five products per tile pair, not seven) and the dQ kernel does not run.
+    The order of the float adds into dQ varies between runs: not bit-identical on
+    repeat, which the separate dQ kernel (False) is.
   """
 
   block_n: int = 64
   semantics: str = "lane"
   consumers: int = 1
   stages: int = 2
+  fused_dq: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -84,16 +92,26 @@ class BackwardConfig:
       raise ValueError(f"consumers={self.consumers!r} must be 1 or 2")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
+    if not isinstance(self.fused_dq, bool):
+      raise ValueError(f"fused_dq={self.fused_dq!r} must be a bool")
+    if self.fused_dq and self.block_n != ROWS:
+      # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
+      # double its accumulator registers, on top of dK and dV's).
+      raise ValueError(f"fused_dq=True needs block_n={ROWS}, not {self.block_n}")
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
   fixed 64-row tiles and the two streamed operands' slots, plus the forward's slack
-  for barriers and alignment."""
+  for barriers and alignment; with `fused_dq`, each consumer's dS' tile and its float32
+  dQ tile on the way to global memory."""
   slots = 2 if config.consumers == 1 else config.stages
   fixed = config.consumers * 2 * ROWS * head_dim * itemsize
   streamed = slots * 2 * config.block_n * head_dim * itemsize
-  return fixed + streamed + SMEM_SLACK
+  dq = 0
+  if config.fused_dq:
+    dq = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
+  return fixed + streamed + dq + SMEM_SLACK
 
 
 def check_supported(q, k, v, config: BackwardConfig):
@@ -115,12 +133,13 @@ class _Products:
     self.scratch = scratch      # interpreter: [accumulator, consumer, rows, cols] float32
 
   @staticmethod
-  def _dot(a, b, b_t):
+  def _dot(a, b, b_t, a_t=False):
     a, b = a[...], b[...]         # a ref or a value alike
-    return jnp.dot(a, b.T if b_t else b, preferred_element_type=jnp.float32)
+    return jnp.dot(a.T if a_t else a, b.T if b_t else b, preferred_element_type=jnp.float32)
 
-  def _rhs(self, b, b_t):
-    return _plgpu().transpose_ref(b, (1, 0)) if b_t else b
+  @staticmethod
+  def _t(ref, transposed):
+    return _plgpu().transpose_ref(ref, (1, 0)) if transposed else ref
 
   def fresh(self, a, b, shape, *, b_t=False):
     """a @ b(^T) into a new float32 accumulator, waited for."""
@@ -134,25 +153,26 @@ class _Products:
     plgpu = _plgpu()
 
     def run(acc1, acc2):
-      plgpu.wgmma(acc1, a1, self._rhs(b1, b_t))
+      plgpu.wgmma(acc1, a1, self._t(b1, b_t))
       if a2 is not None:
-        plgpu.wgmma(acc2, a2, self._rhs(b2, b_t))
+        plgpu.wgmma(acc2, a2, self._t(b2, b_t))
       return acc1[...], (None if a2 is None else acc2[...])
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
-  def fresh_under(self, a, b, shape, *, b_t, then):
-    """a @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
+  def fresh_under(self, a, b, shape, *, b_t, then, a_t=False):
+    """a(^T) @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
     issued right after it and left in flight: only the first is waited for, so the
     caller's next instructions run under the second (FlashAttention-3's overlap of
-    dP^T with the dV product in the backward)."""
+    dP^T with the dV product in the backward). `a_t`: `a` is a shared-memory ref read
+    transposed (a view, as `b_t`)."""
     acc, a2, b2 = then
     if self.interpret:
       acc[...] += self._dot(a2, b2, False)
-      return self._dot(a, b, b_t)
+      return self._dot(a, b, b_t, a_t)
     plgpu = _plgpu()
 
     def run(fresh):
-      plgpu.wgmma(fresh, a, self._rhs(b, b_t))
+      plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
       plgpu.wgmma(acc, a2, b2)
       return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -328,12 +348,14 @@ def _warp_specialised(wg, consumers, produce, consume):
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages):
+                stages, fused_dq=False):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads and
   the visited query tiles (S^T = K Q^T, so each tile is [keys, queries]). One
   consumer: the program's one warpgroup streams its own query tiles (double
   buffering). Two: each consumer warpgroup owns 64 keys, and a producer warpgroup
-  streams the query tiles both read (`_Pipeline`)."""
+  streams the query tiles both read (`_Pipeline`). `fused_dq`: each tile also adds
+  dS' K to the float32 dQ in global memory (`BackwardConfig.fused_dq`)."""
+  plgpu = _plgpu()
   r = dict(zip(names, refs))
   bk = ROWS
   j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -364,6 +386,27 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
 
+    def add_dq(ds_t, rows, n, q_smem, dk_acc):
+      """dQ[rows] += dS' K, and dK += dS'^T Q issued behind it. dS'^T goes to shared
+      memory, where the product reads it transposed; the float32 result goes through
+      shared memory to the copy engine, which adds it to dQ in global memory (in L2,
+      so concurrent programs' adds to the same rows do not race) while dK's product
+      runs. The interpreter has no reduce-add: each consumer adds to its own copy of
+      dQ there (the programs run one after another; the copies are summed after)."""
+      ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
+      ds_smem[...] = ds_t          # the last tile's dQ product was waited for
+      plgpu.commit_smem()          # visible to the tensor cores' reads
+      dq = mm.fresh_under(ds_smem, k_smem, (bq, H), a_t=True, b_t=False,
+                          then=(dk_acc, ds_t, q_smem))
+      if interpret:
+        dst = r["dq_acc"].at[wg, b, rows, n]
+        dst[...] = dst[...] + dq
+        return
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
+      dq_smem[...] = dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
+
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
       t = g * (hi - lo) + i - lo
@@ -386,9 +429,12 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       # dV product, and dK += dS'^T Q follows it on the tensor cores.
       dp_t = mm.fresh_under(v_smem, do_smem, (bk, bq), b_t=True,
                             then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
-      ds_t = _tile_ds(p_t, c, dp_t, delta)
-      mm.issue(dk_acc, ds_t.astype(q_smem.dtype), q_smem)
-      mm.wait()          # this tile's slot is refilled once both products are done
+      ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
+      if fused_dq:
+        add_dq(ds_t, rows, n, q_smem, dk_acc)
+      else:
+        mm.issue(dk_acc, ds_t, q_smem)
+      mm.wait()          # this tile's slot is refilled once its products are done
       if release is not None:
         release(t)
       return carry
@@ -558,12 +604,15 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     extra["interpret"] = InterpretGPUParams()
+  bq_fused = config.block_n
 
   C, stages = config.consumers, config.stages
 
-  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type):
+  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
-    that stream through the slots, with their rows."""
+    that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
+    padded query length of the float32 dQ the kernel adds to; returns it after the
+    outputs."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 else (C, fixed_rows, H)
@@ -582,24 +631,60 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
-    names = [*in_names, *out_names, *scratch]
     args = [x[n] for n in in_names if n != "ranges"]
     args.insert(in_names.index("ranges"), ranges)
-    return plgpu.kernel(
-        functools.partial(kernel, names=names, opts=opts, scale=scale, group=group,
-                          interpret=interpret, consumers=C, stages=slots),
-        out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
-        grid_names=grid_names, compiler_params=compiler_params(config.semantics),
-        **threads, **extra)(*args)
+    body = functools.partial(kernel, opts=opts, scale=scale, group=group,
+                             interpret=interpret, consumers=C, stages=slots)
+    params = compiler_params(config.semantics)
+    if dq_rows is None:
+      return plgpu.kernel(
+          functools.partial(body, names=[*in_names, *out_names, *scratch]),
+          out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
+          grid_names=grid_names, compiler_params=params, **threads, **extra)(*args)
+
+    # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
+    # float32 dQ tile for the copy engine.
+    scratch["ds_smem"] = smem((C, ROWS, bq_fused))
+    scratch["dq_smem"] = plgpu.SMEM((C, bq_fused, H), jnp.float32, transforms=(
+        plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
+    dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
+    if interpret:  # one zeroed copy of dQ per consumer, summed here (`add_dq`)
+      per_consumer = jax.ShapeDtypeStruct((C, *dq_type.shape), jnp.float32)
+      zeroed = InterpretGPUParams(uninitialized_memory="zero")
+      *outs, dq = plgpu.kernel(
+          functools.partial(body, names=[*in_names, *out_names, "dq_acc", *scratch],
+                            fused_dq=True),
+          out_type=[*out_type, per_consumer], scratch_types=list(scratch.values()),
+          grid=grid, grid_names=grid_names, compiler_params=params, **threads,
+          interpret=zeroed)(*args)
+      return (*outs, dq.sum(0))
+    # The copy engine adds into dQ, so it must start at zero: a mutable array passed to
+    # the kernel is read and written in place (plgpu.kernel has no aliasing; this is
+    # its launch without the vmap rule).
+    dq = jax.new_ref(jnp.zeros(dq_type.shape, dq_type.dtype))
+    thread_axis = threads.get("thread_name", ())
+
+    def launch(*refs):
+      pl.run_scoped(functools.partial(body, *refs, names=[
+          *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
+                    *scratch.values(), collective_axes=thread_axis)
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
+    outs = pl.kernel(launch, out_type=out_type, mesh=mesh, compiler_params=params,
+                     name=kernel.func.__name__)(*args, dq)
+    return (*outs, dq[...])
 
   # -- dK, dV: C x ROWS keys per program, query tiles of block_n rows
   bq, bk = config.block_n, C * ROWS
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   kv_type = jax.ShapeDtypeStruct((B, Sp, K, H), k.dtype)
-  dk, dv = call(functools.partial(_dkv_kernel, bq=bq), (Sp // bk, K, B),
-                ("kv", "heads", "batch"), x, ranges, (("k_smem", "v_smem"), ROWS),
-                (("q_smem", "do_smem"), bq), [kv_type, kv_type])
+  dkv = call(functools.partial(_dkv_kernel, bq=bq), (Sp // bk, K, B),
+             ("kv", "heads", "batch"), x, ranges, (("k_smem", "v_smem"), ROWS),
+             (("q_smem", "do_smem"), bq), [kv_type, kv_type],
+             dq_rows=Tp if config.fused_dq else None)
+  dk, dv = dkv[:2]
+  if config.fused_dq:
+    return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
   # -- dQ: C x ROWS query rows per program, key tiles of block_n rows
   bq, bk = C * ROWS, config.block_n
