@@ -658,10 +658,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
           grid=grid, grid_names=grid_names, compiler_params=params, **threads,
           interpret=zeroed)(*args)
       return (*outs, dq.sum(0))
-    # The copy engine adds into dQ, so it must start at zero: a mutable array passed to
-    # the kernel is read and written in place (plgpu.kernel has no aliasing; this is
-    # its launch without the vmap rule).
-    dq = jax.new_ref(jnp.zeros(dq_type.shape, dq_type.dtype))
+    # The copy engine adds into dQ, so it must start at zero: the kernel reads and
+    # writes dQ (and writes dK, dV) in place through refs of `pl.run_state`, which hands
+    # back their final values (plgpu.kernel has no input-output aliasing; this is its
+    # launch without the vmap rule).
     thread_axis = threads.get("thread_name", ())
 
     def launch(*refs):
@@ -669,9 +669,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
           *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
                     *scratch.values(), collective_axes=thread_axis)
     mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
-    outs = pl.kernel(launch, out_type=out_type, mesh=mesh, compiler_params=params,
-                     name=kernel.func.__name__)(*args, dq)
-    return (*outs, dq[...])
+
+    def in_place(refs):
+      pl.kernel(launch, out_type=(), mesh=mesh, compiler_params=params,
+                name=kernel.func.__name__)(*args, *refs)
+    zeros = lambda t: jnp.zeros(t.shape, t.dtype)
+    dq, *outs = pl.run_state(in_place)([zeros(dq_type), *map(zeros, out_type)])
+    return (*outs, dq)
 
   # -- dK, dV: C x ROWS keys per program, query tiles of block_n rows
   bq, bk = config.block_n, C * ROWS
