@@ -42,8 +42,9 @@ def is_hopper(capability: str | None) -> bool:
 
 
 def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
-  """The caller's MosaicGPUConfig over the kernel's per-(head_dim, causal) default."""
-  config = _fwd.default_config(q.shape[-1], masks.is_causal)
+  """The caller's MosaicGPUConfig over the kernel's default for (head_dim, causal,
+  query length)."""
+  config = _fwd.default_config(q.shape[-1], masks.is_causal, q.shape[1])
   own = cfg.backend_config(MosaicGPUConfig)
   if own is None:
     return config

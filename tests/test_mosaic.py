@@ -112,7 +112,7 @@ def test_overriding_the_three_consumer_default_at_head_dim_128():
   """The table runs three consumers at d = 128: asking for two brings back the ping-pong
   and the two-consumer registers; a two-consumer field alone is refused, naming the
   default it was laid over."""
-  q, k, v = _qkv(128)
+  q, k, v = _qkv(128, T=mf.THREE_CONSUMERS_MIN_SEQ)
   assert mosaic_impl.kernel_config(q, *_prepared(q, k, v)).consumers == 3
   two = mosaic_impl.kernel_config(q, *_prepared(q, k, v,
                                                 config=jflash.MosaicGPUConfig(consumers=2)))
@@ -123,6 +123,23 @@ def test_overriding_the_three_consumer_default_at_head_dim_128():
   for alone in (dict(ping_pong=True), dict(consumer_registers=240)):
     with pytest.raises(ValueError, match="set consumers too"):
       mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=jflash.MosaicGPUConfig(**alone)))
+
+
+def test_short_queries_take_two_consumers_at_head_dim_128():
+  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers give way to
+  the ping-ponged two (the same tiles otherwise); the caller's own count still wins."""
+  for causal in (False, True):
+    long = mf.default_config(128, causal, mf.THREE_CONSUMERS_MIN_SEQ)
+    short = mf.default_config(128, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
+    assert (long.consumers, short.consumers, short.ping_pong) == (3, 2, True)
+    assert short == long.with_consumers(2)
+    assert mf.default_config(128, causal) == long           # no length: the table's
+  assert mf.default_config(64, False, 16) == mf.default_config(64, False)
+  q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  cfg = jflash.prepare(q, q, q)
+  assert mosaic_impl.kernel_config(q, *cfg).consumers == 2
+  cfg = jflash.prepare(q, q, q, config=jflash.MosaicGPUConfig(consumers=3))
+  assert mosaic_impl.kernel_config(q, *cfg).consumers == 3
 
 
 def test_registered_and_refused_on_cpu_with_the_reason():

@@ -175,11 +175,25 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
 
 
-def default_config(head_dim: int, causal: bool = False) -> MosaicConfig:
+# Query lengths below which the table's three consumers give way to two: a program of
+# 3 x 64 rows spreads its fixed costs (Q in, O out, the pipeline's fill) over fewer key
+# tiles and leaves a larger last-program tail. In one benchmark run
+# (bench_a_three_consumers_h200.json) three consumers ran 1K d128 (batch 16) at 394.6
+# TF/s against 524.6 with two in the run before, while from 3K up three were level or
+# faster (T 3072 causal 526 against 470, 16K causal 655 against 585).
+THREE_CONSUMERS_MIN_SEQ = 2048
+
+
+def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
+  """The table's config for (head_dim, causal), with two consumers in place of three
+  when the query length `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
   if head_dim not in HEAD_DIMS:
     raise NotImplementedError(
         f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
-  return _TABLE[head_dim, bool(causal)]
+  config = _TABLE[head_dim, bool(causal)]
+  if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
+    return config.with_consumers(2)
+  return config
 
 
 # Shared memory beside the tiles: the mbarriers (8 bytes each) and the alignment of
@@ -597,7 +611,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   ops = ops or MaskOperands()
   if opts.dropout_rate or ops.mask is not None or ops.bias is not None:
     raise NotImplementedError("the Mosaic GPU forward has no dense mask, bias or dropout")
-  config = config or default_config(q.shape[-1], opts.is_causal)
+  config = config or default_config(q.shape[-1], opts.is_causal, q.shape[1])
   check_supported(q, k, v, config)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
