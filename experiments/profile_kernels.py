@@ -8,7 +8,7 @@
 Shapes follow the FA-2 grid (heads = hidden / head_dim, batch = tokens / seq) unless
 --heads / --batch are given. --forward-only profiles the forward alone; otherwise one
 jitted vjp (forward, delta, the two backward kernels). --backward picks the backward of
-"mosaic_gpu" (MosaicGPUConfig.backward). Every step runs the same kernels: the first
+"mosaic_gpu" (MosaicGPUConfig.backward), --config JSON more of its fields. Every step runs the same kernels: the first
 compiles, so a profiler that skips the first step's launches sees warm ones.
 
 Under ncu, run with XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA_PYTHON_CLIENT_ALLOCATOR=
@@ -18,6 +18,7 @@ JAX's default pool is most of the card, on every pass.
 from __future__ import annotations
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ def main(argv=None):
   p.add_argument("--implementation", default="pallas", help="jflash implementation name")
   p.add_argument("--backward", default="auto", choices=("auto", "mosaic_gpu", "pallas"),
                  help='MosaicGPUConfig.backward, for --implementation mosaic_gpu')
+  p.add_argument("--config", default=None,
+                 help='more MosaicGPUConfig fields as JSON, e.g. \'{"backward_fused_dq": true}\'')
   p.add_argument("--forward-only", action="store_true")
   p.add_argument("--steps", type=int, default=3)
   args = p.parse_args(argv)
@@ -51,7 +54,7 @@ def main(argv=None):
            for _ in range(2))
   k, v = (jnp.asarray(rng.standard_normal((B, args.seq, K, args.head_dim)), jnp.bfloat16)
           for _ in range(2))
-  config = (jflash.MosaicGPUConfig(backward=args.backward)
+  config = (jflash.MosaicGPUConfig(backward=args.backward, **json.loads(args.config or "{}"))
             if args.implementation == "mosaic_gpu" else None)
 
   def attn(q, k, v):
