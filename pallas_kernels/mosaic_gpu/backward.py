@@ -100,14 +100,6 @@ class BackwardConfig:
       raise ValueError(f"fused_dq=True needs block_n={ROWS}, not {self.block_n}")
 
 
-def dq_columns(consumers: int, head_dim: int) -> int:
-  """Columns of a tile's dQ each consumer computes with `fused_dq`: its share of
-  head_dim when that share is whole 64-column (128-byte) blocks of K's swizzled tiles,
-  else all of them (each consumer then adds its own keys' partial dQ)."""
-  share = head_dim // consumers
-  return share if consumers > 1 and share % 64 == 0 else head_dim
-
-
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
   fixed 64-row tiles and the two streamed operands' slots, plus the forward's slack
@@ -117,10 +109,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   fixed = config.consumers * 2 * ROWS * head_dim * itemsize
   streamed = slots * 2 * config.block_n * head_dim * itemsize
   dq = 0
-  if config.fused_dq:     # dS' tiles (two slots when shared) and float32 dQ tiles
-    cols = dq_columns(config.consumers, head_dim)
-    slots = 2 if cols < head_dim else 1
-    dq = config.consumers * config.block_n * (slots * ROWS * itemsize + cols * 4)
+  if config.fused_dq:
+    dq = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
   return fixed + streamed + dq + SMEM_SLACK
 
 
@@ -169,22 +159,20 @@ class _Products:
       return acc1[...], (None if a2 is None else acc2[...])
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
-  def fresh_under(self, products, shape, *, then, a_t=False, b_t=False):
-    """The sum of a(^T) @ b(^T) over `products` [(a, b), ...] into a new accumulator,
-    with `then` = (acc, a2, b2), acc += a2 @ b2, issued right after it and left in
-    flight: only the first is waited for, so the caller's next instructions run under
-    the second (FlashAttention-3's overlap of dP^T with the dV product in the
-    backward). `a_t`: each `a` is a shared-memory ref read transposed (a view, as
-    `b_t`)."""
+  def fresh_under(self, a, b, shape, *, b_t, then, a_t=False):
+    """a(^T) @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
+    issued right after it and left in flight: only the first is waited for, so the
+    caller's next instructions run under the second (FlashAttention-3's overlap of
+    dP^T with the dV product in the backward). `a_t`: `a` is a shared-memory ref read
+    transposed (a view, as `b_t`)."""
     acc, a2, b2 = then
     if self.interpret:
       acc[...] += self._dot(a2, b2, False)
-      return sum(self._dot(a, b, b_t, a_t) for a, b in products)
+      return self._dot(a, b, b_t, a_t)
     plgpu = _plgpu()
 
     def run(fresh):
-      for a, b in products:
-        plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
+      plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
       plgpu.wgmma(acc, a2, b2)
       return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -372,7 +360,6 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   bk = ROWS
   j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
   H = r["q_smem"].shape[-1]
-  dq_cols = dq_columns(consumers, H)
   mm = _Products(interpret, r.get("acc"))
   iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
   along_queries = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
@@ -399,40 +386,26 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
 
-    def add_dq(ds_t, t, rows, n, q_smem, dk_acc):
+    def add_dq(ds_t, rows, n, q_smem, dk_acc):
       """dQ[rows] += dS' K, and dK += dS'^T Q issued behind it. dS'^T goes to shared
       memory, where the product reads it transposed; the float32 result goes through
       shared memory to the copy engine, which adds it to dQ in global memory (in L2,
       so concurrent programs' adds to the same rows do not race) while dK's product
-      runs. With `dq_columns` < H, each consumer computes its columns of dQ over all
-      the program's keys (both consumers' dS', exchanged through shared memory each
-      tile), which halves the adds against each adding its own keys' full row.
-      The interpreter has no reduce-add: each consumer adds to its own copy of dQ
-      there (the programs run one after another; the copies are summed after)."""
-      split = dq_cols < H
-      ds_tiles = r["ds_smem"].at[lax.rem(t, 2) if split else 0]      # [consumer, key, query]
-      ds_tiles.at[wg][...] = ds_t  # this slot's last reads were waited for (below)
+      runs. The interpreter has no reduce-add: each consumer adds to its own copy of
+      dQ there (the programs run one after another; the copies are summed after)."""
+      ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
+      ds_smem[...] = ds_t          # the last tile's dQ product was waited for
       plgpu.commit_smem()          # visible to the tensor cores' reads
-      cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
-      if split:
-        # Both consumers' dS' are in: arrive, then wait for the other. A consumer can
-        # be at most one tile ahead, so the slot it writes next was last read two
-        # tiles ago, by products the other consumer waited for before arriving here.
-        plgpu.barrier_arrive(r["ds_ready"])
-        plgpu.barrier_wait(r["ds_ready"])
-        products = [(ds_tiles.at[c], r["k_smem"].at[c].at[:, cols]) for c in range(consumers)]
-      else:
-        products = [(ds_tiles.at[wg], k_smem)]
-      dq = mm.fresh_under(products, (bq, dq_cols), a_t=True, then=(dk_acc, ds_t, q_smem))
+      dq = mm.fresh_under(ds_smem, k_smem, (bq, H), a_t=True, b_t=False,
+                          then=(dk_acc, ds_t, q_smem))
       if interpret:
-        dst = r["dq_acc"].at[wg, b, rows, n, cols]
+        dst = r["dq_acc"].at[wg, b, rows, n]
         dst[...] = dst[...] + dq
         return
-      dq_smem = r["dq_smem"].at[wg]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
       dq_smem[...] = dq
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n, cols], reduction_op="add")
+      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
 
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
@@ -454,11 +427,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
       # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
       # dV product, and dK += dS'^T Q follows it on the tensor cores.
-      dp_t = mm.fresh_under([(v_smem, do_smem)], (bk, bq), b_t=True,
+      dp_t = mm.fresh_under(v_smem, do_smem, (bk, bq), b_t=True,
                             then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
       if fused_dq:
-        add_dq(ds_t, t, rows, n, q_smem, dk_acc)
+        add_dq(ds_t, rows, n, q_smem, dk_acc)
       else:
         mm.issue(dk_acc, ds_t, q_smem)
       mm.wait()          # this tile's slot is refilled once its products are done
@@ -671,12 +644,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
-    cols = dq_columns(C, H)
-    scratch["ds_smem"] = smem((2 if cols < H else 1, C, ROWS, bq_fused))
-    scratch["dq_smem"] = plgpu.SMEM((C, bq_fused, cols), jnp.float32, transforms=(
+    scratch["ds_smem"] = smem((C, ROWS, bq_fused))
+    scratch["dq_smem"] = plgpu.SMEM((C, bq_fused, H), jnp.float32, transforms=(
         plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
-    if cols < H:   # both consumers' dS' written, once per tile
-      scratch["ds_ready"] = plgpu.Barrier(num_arrivals=C)
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:  # one zeroed copy of dQ per consumer, summed here (`add_dq`)
       per_consumer = jax.ShapeDtypeStruct((C, *dq_type.shape), jnp.float32)
