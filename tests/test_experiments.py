@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -136,6 +138,24 @@ def test_profile_kernels_runs_the_steps_it_names(capsys):
   out = capsys.readouterr().out
   assert "(1, 64, 2, 1, 16) non-causal xla_chunked fwd+bwd (auto)" in out
   assert "xla_chunked forward" in out
+
+
+def test_mosaic_check_backward_variants_on_a_cpu(capsys):
+  # `mosaic_check --backward --backward-configs`: each variant's checks, interpreted on
+  # a CPU (the device check bypassed, the kernels under Mosaic GPU's interpreter); a
+  # bad field is refused before anything compiles.
+  from experiments import mosaic_check
+  from jflash import mosaic_impl
+  capability = mosaic_impl.device_capability
+  try:
+    assert mosaic_check.main(["--backward", "--dry-run-cpu", "--backward-configs",
+                              '[{"backward_fused_dq": true}]']) == 0
+  finally:
+    mosaic_impl.device_capability = capability
+  out = capsys.readouterr().out
+  assert "bwd=mosaic_gpu fused_dq" in out and "'ok': False" not in out
+  with pytest.raises(ValueError, match="backward_consumers=3"):
+    mosaic_check.main(["--backward", "--backward-configs", '[{"backward_consumers": 3}]'])
 
 
 def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):

@@ -1,8 +1,9 @@
 """The Mosaic GPU backward (pallas_kernels/mosaic_gpu/backward.py) on a CPU.
 
 On the H200 it is checked by `python -m experiments.mosaic_check --backward`; here:
-- lowering: both kernels lower to the Mosaic GPU dialect for CUDA (cross-platform
-  lowering; nothing runs), for head_dim 64 and 128, causal and not, every mask path;
+- lowering: both kernels (or the one, with `fused_dq`) lower to the Mosaic GPU dialect
+  for CUDA (cross-platform lowering; nothing runs), for head_dim 64 and 128, causal and
+  not, every mask path;
 - interpretation: the kernels run by Mosaic GPU's own interpreter (simulated shared
   memory, bulk copies and barriers) against the float64 closed form, under the 2x rule.
   The interpreter has no in-register or transposed matrix-product operands and no layout
@@ -66,10 +67,19 @@ def test_backward_choice_and_validation():
     jflash.MosaicGPUConfig(backward_consumers=3)
   with pytest.raises(ValueError, match="backward_block_n=96"):
     jflash.MosaicGPUConfig(backward_block_n=96)
+  with pytest.raises(ValueError, match="fused_dq=1"):
+    mb.BackwardConfig(fused_dq=1)
+  with pytest.raises(ValueError, match="backward_fused_dq=True needs block_n=64"):
+    jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
+  fused = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_fused_dq=True))[0]
+  assert mosaic_impl.backward_config(fused) == mb.BackwardConfig(fused_dq=True)
   # A combination that overflows shared memory is refused before it is compiled.
   for H in mb.HEAD_DIMS:
     for consumers in (1, 2):
-      assert mb.smem_bytes(H, 2, mb.BackwardConfig(consumers=consumers)) <= mf.SMEM_BYTES
+      for fused_dq in (False, True):
+        config = mb.BackwardConfig(consumers=consumers, fused_dq=fused_dq)
+        assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
   q128, k128, v128 = random_qkv((1, 16, 16, 2, 1, 128), jnp.bfloat16)[:3]
   big = jflash.prepare(q128, k128, v128, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_consumers=2, backward_block_n=256))
@@ -140,6 +150,33 @@ def test_lowers_warp_specialised(H):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
 
 
+@pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1)])
+def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
+  """fused_dq: one kernel (dK/dV, adding dQ with the copy engine's reduce-add), every
+  mask path, tails on both sides."""
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mb.BackwardConfig(consumers=consumers, fused_dq=True)
+  assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 1
+
+
+def test_dq_in_the_dkv_kernel_lowers_inside_a_differentiated_program(monkeypatch):
+  """fused_dq updates dQ in place through `pl.run_state`, local to the kernel call: the
+  whole jitted vjp through jflash.attention, whose own guard is a custom_jvp (a mutable
+  array visible to that program would need a state rule for it), lowers for CUDA."""
+  monkeypatch.setattr(mosaic_impl, "device_capability", lambda device=None: ("gpu", "9.0"))
+  monkeypatch.setattr(mosaic_impl.jax, "default_backend", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_fused_dq=True)
+  f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation="mosaic_gpu",
+                                       config=config)
+  grads = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+  try:
+    text = grads.trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU bindings
+    pytest.skip(f"this jaxlib cannot lower Mosaic GPU kernels: {e}")
+  assert text.count("@mosaic_gpu") == 2         # the forward, and dK/dV with dQ
+
+
 # -- the kernels under Mosaic GPU's interpreter ----------------------------------------------
 
 def _check_grads(got, q, k, v, do, **kw):
@@ -158,28 +195,30 @@ def _check_grads(got, q, k, v, do, **kw):
     assert err <= 2 * err_plain + error_floor(q.dtype, t, n), (name, err, err_plain)
 
 
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_interpreted_gqa_causal_with_tails(consumers):
+@pytest.mark.parametrize("consumers,fused_dq", [(1, False), (2, False), (1, True), (2, True)])
+def test_interpreted_gqa_causal_with_tails(consumers, fused_dq):
   """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
   transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
-  the shared tiles through 3 slots, and every barrier phase is observed."""
+  the shared tiles through 3 slots, and every barrier phase is observed. fused_dq: dQ
+  added tile by tile in the dK/dV kernel, the dQ kernel not run."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, 64), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
-  config = mb.BackwardConfig(consumers=consumers, stages=3)
+  config = mb.BackwardConfig(consumers=consumers, stages=3, fused_dq=fused_dq)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("consumers", [None, 2])
-def test_interpreted_masks_through_the_adapter(monkeypatch, consumers):
+@pytest.mark.parametrize("consumers,fused_dq", [(None, None), (2, None), (None, True)])
+def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq):
   """The Mosaic GPU backward through jflash's custom_vjp (forward and backward, both
   interpreted): window, segments (one query segment sees no key), soft cap, key and
-  query lengths including 0; T != S; fp16; one consumer warpgroup or two."""
+  query lengths including 0; T != S; fp16; one consumer warpgroup or two, or dQ in the
+  dK/dV kernel."""
   B, T, S = 2, 70, 80
   q, k, v, do = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)
   q_seg = np.zeros((B, T), np.int32)
@@ -192,7 +231,8 @@ def test_interpreted_masks_through_the_adapter(monkeypatch, consumers):
             query_seq_lengths=jnp.asarray([70, 0], jnp.int32),
             key_value_seq_lengths=jnp.asarray([50, 80], jnp.int32))
   impl = api.get_implementation("mosaic_gpu")
-  config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers)
+  config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers,
+                                  backward_fused_dq=fused_dq)
   cfg, masks = jflash.prepare(q, k, v, config=config, **kw)
   assert mosaic_impl.backward_config(cfg).consumers == (consumers or 1)
   calls = []
