@@ -142,7 +142,8 @@ class MosaicGPUConfig(BackendConfig):
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
-      bit-identical on repeat); needs backward_block_n 64.
+      bit-identical on repeat; correct but slower on the H200, where it spills);
+      needs backward_block_n 64.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"

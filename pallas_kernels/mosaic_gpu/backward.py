@@ -68,13 +68,16 @@ class BackwardConfig:
     (FlashAttention-3's warp specialisation; correct on the H200, and there +3% at
     MHA d = 128, -2 to -7% with grouped heads and -22% for MQA causal against 1:
     mosaic_backward_check_h200_ws.json).
-  fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3, section 3.3 of its
-    paper): each tile's dS' is also written to shared memory, dQ += dS' K of the tile
-    is one more product there, and the copy engine adds it to a float32 dQ in global
-    memory (bulk reduce-add). S and dP are then computed once per tile instead of
-    twice (five products per tile pair, not seven) and the dQ kernel does not run.
-    The order of the float adds into dQ varies between runs: not bit-identical on
-    repeat, which the separate dQ kernel (False) is.
+  fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
+    tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
+    product there, and the copy engine adds it to a float32 dQ in global memory (bulk
+    reduce-add). S and dP are then computed once per tile instead of twice (five
+    products per tile pair, not seven) and the dQ kernel does not run. The order of
+    the float adds into dQ varies between runs: not bit-identical on repeat, which
+    the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
+    d = 128 fwd+bwd 389 TF/s with two consumers against 495 without it): the kernel
+    spills, its consumers' code allocated within the launch's 168 registers per
+    thread (experiments/results/mosaic_notes.md).
   """
 
   block_n: int = 64
