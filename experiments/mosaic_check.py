@@ -331,6 +331,23 @@ def mosaic_backward(fields=None):
   return jflash.MosaicGPUConfig(backward="mosaic_gpu", **(fields or {}))
 
 
+def check_backward_variants(variants):
+  """ValueError unless `variants` is a non-empty list of dicts of MosaicGPUConfig
+  backward fields (each a config the library takes) with distinct labels."""
+  if not isinstance(variants, list) or not variants or \
+      not all(isinstance(f, dict) for f in variants):
+    raise ValueError(f"--backward-configs={variants!r} must be a non-empty JSON list of objects")
+  for fields in variants:
+    other = [k for k in fields if not k.startswith("backward_")]
+    if other:
+      raise ValueError(f"--backward-configs: {other} are not backward fields "
+                       "(MosaicGPUConfig.backward_*)")
+    mosaic_backward(fields)
+  labels = [backward_label(f) for f in variants]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"--backward-configs repeats a variant: {labels}")
+
+
 def backward_label(fields):
   """"bwd=mosaic_gpu" and the fields set, e.g. "bwd=mosaic_gpu consumers=2 fused_dq"."""
   parts = [k.removeprefix("backward_") + ("" if v is True else f"={v}")
@@ -476,6 +493,7 @@ def dry_run_cpu(variants=({},)):
                                  (1, 70, 90, 4, 2, 64), jnp.bfloat16, dict(is_causal=True),
                                  seed=0, fields=fields),
              check_backward_nan((1, 64, 64, 2, 2, 64), fields=fields)]
+    rows[-1]["name"] += f" {label}"
   for r in rows:
     print(r, flush=True)
   return 0 if all(r["ok"] for r in rows) else 1
@@ -485,8 +503,7 @@ def main_backward(args):
   # --backward-configs JSON: a list of MosaicGPUConfig backward-field dicts, each checked
   # (case names gain its label) and timed.
   variants = json.loads(args.backward_configs)
-  for fields in variants:
-    mosaic_backward(fields)            # a bad field fails here, before any compile
+  check_backward_variants(variants)    # a bad variant fails here, before any compile
   if args.dry_run_cpu:
     return dry_run_cpu(variants)
   checks = []
@@ -505,7 +522,10 @@ def main_backward(args):
   timing = [] if args.no_timing else time_backward_cells(
       args.rounds, [c for c in args.cells.split(",") if c], variants)
   name = args.name
-  if name == "mosaic_check_h200":
+  if name == "mosaic_check_h200":      # the default: the one-warpgroup backward's own
+    if variants != [{}]:
+      raise ValueError("--backward-configs other than '[{}]' needs --name: the default "
+                       "name is the one-warpgroup backward's committed result")
     name = "mosaic_backward_check_h200"
   path = write_result(name, vars(args), checks, extra={"timing": timing}, out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]

@@ -8,8 +8,9 @@
 Shapes follow the FA-2 grid (heads = hidden / head_dim, batch = tokens / seq) unless
 --heads / --batch are given. --forward-only profiles the forward alone; otherwise one
 jitted vjp (forward, delta, the two backward kernels). --backward picks the backward of
-"mosaic_gpu" (MosaicGPUConfig.backward), --config JSON more of its fields. Every step runs the same kernels: the first
-compiles, so a profiler that skips the first step's launches sees warm ones.
+"mosaic_gpu" (MosaicGPUConfig.backward), --config JSON more of its fields. Every
+step runs the same kernels: the first compiles, so a profiler that skips the first
+step's launches sees warm ones.
 
 Under ncu, run with XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA_PYTHON_CLIENT_ALLOCATOR=
 platform: kernel replay saves and restores the memory a kernel may write, which with
@@ -54,6 +55,9 @@ def main(argv=None):
            for _ in range(2))
   k, v = (jnp.asarray(rng.standard_normal((B, args.seq, K, args.head_dim)), jnp.bfloat16)
           for _ in range(2))
+  if args.config and args.implementation != "mosaic_gpu":
+    raise ValueError(f"--config is MosaicGPUConfig's fields: --implementation mosaic_gpu, "
+                     f"not {args.implementation!r}")
   config = (jflash.MosaicGPUConfig(backward=args.backward, **json.loads(args.config or "{}"))
             if args.implementation == "mosaic_gpu" else None)
 

@@ -13,6 +13,7 @@ declares it as its `Implementation.config_type`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import ClassVar
 
 
@@ -122,8 +123,9 @@ class MosaicGPUConfig(BackendConfig):
       each consumer warpgroup, in place of the ping-pong between the two (correct on
       the H200 but slower there; not in the default table).
     consumers: consumer warpgroups per program, 2 or 3 (pallas_kernels/mosaic_gpu/
-      forward.py says where three run); setting it drops the default's ping_pong and
-      consumer_registers for the new count's own.
+      forward.py says where three run; the default has three at head_dim 128 from
+      THREE_CONSUMERS_MIN_SEQ query rows); setting it drops the default's ping_pong
+      and consumer_registers for the new count's own.
     ping_pong: stagger two consumers so one's softmax runs under the other's matrix
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
@@ -142,8 +144,8 @@ class MosaicGPUConfig(BackendConfig):
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
-      bit-identical on repeat; correct but slower on the H200, where it spills);
-      needs backward_block_n 64.
+      bit-identical on repeat; correct but slower on the H200, where a profiled
+      variant spilled); needs backward_block_n 64.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -173,8 +175,9 @@ class MosaicGPUConfig(BackendConfig):
     from pallas_kernels.mosaic_gpu.backward import BackwardConfig
     try:
       BackwardConfig(**self.backward_fields())
-    except ValueError as e:
-      raise ValueError(f"backward_{e}") from None
+    except ValueError as e:   # the kernel record's field names, as named here
+      raise ValueError(re.sub(r"\b(block_n|consumers|fused_dq|semantics|stages)=",
+                              r"backward_\1=", str(e))) from None
     for name in ("persistent", "overlap"):     # the kernel's record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")

@@ -55,8 +55,8 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
   try:
     return dataclasses.replace(config, **fields)
   except ValueError as e:
-    raise ValueError(f"{e} (over the default {config} at head_dim={q.shape[-1]}; "
-                     "set consumers too)") from None
+    raise ValueError(f"{e} (over the default {config} at head_dim={q.shape[-1]} and "
+                     f"{q.shape[1]} query rows; set consumers too)") from None
 
 
 def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | None):

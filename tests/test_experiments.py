@@ -154,8 +154,14 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
     mosaic_impl.device_capability = capability
   out = capsys.readouterr().out
   assert "bwd=mosaic_gpu fused_dq" in out and "'ok': False" not in out
-  with pytest.raises(ValueError, match="backward_consumers=3"):
-    mosaic_check.main(["--backward", "--backward-configs", '[{"backward_consumers": 3}]'])
+  for bad, match in (('[{"backward_consumers": 3}]', "backward_consumers=3"),
+                     ('[]', "non-empty"), ('[{"consumers": 2}]', "not backward fields"),
+                     ('[{}, {}]', "repeats a variant")):
+    with pytest.raises(ValueError, match=match):
+      mosaic_check.main(["--backward", "--backward-configs", bad])
+  with pytest.raises(ValueError, match="needs --name"):
+    mosaic_check.main(["--backward", "--no-check", "--no-timing", "--backward-configs",
+                       '[{"backward_fused_dq": true}]'])
 
 
 def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):

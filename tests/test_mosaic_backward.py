@@ -69,7 +69,7 @@ def test_backward_choice_and_validation():
     jflash.MosaicGPUConfig(backward_block_n=96)
   with pytest.raises(ValueError, match="fused_dq=1"):
     mb.BackwardConfig(fused_dq=1)
-  with pytest.raises(ValueError, match="backward_fused_dq=True needs block_n=64"):
+  with pytest.raises(ValueError, match="backward_fused_dq=True needs backward_block_n=64"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
   fused = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_fused_dq=True))[0]
@@ -150,7 +150,7 @@ def test_lowers_warp_specialised(H):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
 
 
-@pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1)])
+@pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
 def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
   """fused_dq: one kernel (dK/dV, adding dQ with the copy engine's reduce-add), every
   mask path, tails on both sides."""
@@ -162,19 +162,25 @@ def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
 def test_dq_in_the_dkv_kernel_lowers_inside_a_differentiated_program(monkeypatch):
   """fused_dq updates dQ in place through `pl.run_state`, local to the kernel call: the
   whole jitted vjp through jflash.attention, whose own guard is a custom_jvp (a mutable
-  array visible to that program would need a state rule for it), lowers for CUDA."""
+  array visible to that program would need a state rule for it), lowers for CUDA, and
+  so does its vmap (`pl.run_state` has no batching rule; the launch brings its own)."""
   monkeypatch.setattr(mosaic_impl, "device_capability", lambda device=None: ("gpu", "9.0"))
   monkeypatch.setattr(mosaic_impl.jax, "default_backend", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_fused_dq=True)
   f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation="mosaic_gpu",
                                        config=config)
-  grads = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+  grads = lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
+  stacked = jax.ShapeDtypeStruct((3, *q.shape), q.dtype)
   try:
-    text = grads.trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(grads).trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    # vmapped: the in-place launch's batching rule folds the mapped axis into the batch
+    mapped = jax.jit(jax.vmap(grads)).trace(stacked, stacked, stacked, stacked).lower(
+        lowering_platforms=("cuda",)).as_text()
   except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU bindings
     pytest.skip(f"this jaxlib cannot lower Mosaic GPU kernels: {e}")
   assert text.count("@mosaic_gpu") == 2         # the forward, and dK/dV with dQ
+  assert mapped.count("@mosaic_gpu") == 2
 
 
 # -- the kernels under Mosaic GPU's interpreter ----------------------------------------------
@@ -235,6 +241,7 @@ def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq)
                                   backward_fused_dq=fused_dq)
   cfg, masks = jflash.prepare(q, k, v, config=config, **kw)
   assert mosaic_impl.backward_config(cfg).consumers == (consumers or 1)
+  assert mosaic_impl.backward_config(cfg).fused_dq == bool(fused_dq)
   calls = []
   kernel = mb.flash_backward
   monkeypatch.setattr(mb, "flash_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -246,13 +253,15 @@ def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq)
   _check_grads(got, q, k, v, do, **kw)
 
 
-def test_interpreted_nan_in_a_query_reaches_its_row_and_the_keys_it_sees():
+@pytest.mark.parametrize("fused_dq", [False, True])
+def test_interpreted_nan_in_a_query_reaches_its_row_and_the_keys_it_sees(fused_dq):
   q, k, v, do = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)
   q = q.at[0, 3, 0, 0].set(jnp.nan)           # row 3 sees keys 0..3 (causal)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   dq, dk, dv = (np.asarray(g, np.float32) for g in mb.flash_backward(
-      q, k, v, out, lse, do, scale=0.125, opts=MaskOptions(is_causal=True), interpret=True))
+      q, k, v, out, lse, do, scale=0.125, opts=MaskOptions(is_causal=True), interpret=True,
+      config=mb.BackwardConfig(fused_dq=fused_dq)))
   row_nan = lambda x: np.isnan(x).any(axis=-1)[0, :, 0]
   assert row_nan(dq).tolist() == [i == 3 for i in range(64)]
   # dV_j = sum_i P_ij dO_i: a hidden key keeps P = 0 although row 3's lse is NaN. (dK =

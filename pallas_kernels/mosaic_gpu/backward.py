@@ -11,9 +11,11 @@ cotangent (`backward_statistics`, shared with the Triton kernels).
 
 Two kernels, each program one warpgroup (M = 64 rows of every warpgroup matrix
 product; `BackwardConfig.consumers=2` is the warp-specialised variant) that loads its
-tiles with bulk tensor copies
-(TMA): the program's fixed operands once, the streamed ones double-buffered (the next
-tile's copies are issued before this tile's products):
+tiles with bulk tensor copies (TMA): the program's fixed operands once, the streamed
+ones double-buffered (the next tile's copies are issued before this tile's products).
+With `BackwardConfig.fused_dq` the dK/dV kernel also adds each tile's dQ to a float32
+dQ in global memory (copy-engine reduce-adds, not deterministic) and the dQ kernel
+does not run:
 
 - dK/dV: grid over (key tiles, key heads, batch). K and V of the tile stay in shared
   memory; a runtime loop over the query heads of the GQA group and, inside, over the
@@ -29,7 +31,7 @@ Both skip whole tiles for causal, window, lengths and segment ids alike (the sch
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
 operands and no layout casts; loads, barriers, schedule, masks and tails are the
-kernel's own.
+kernel's own (with `fused_dq`, the reduce-add is a read-modify-write there, `add_dq`).
 """
 from __future__ import annotations
 
@@ -75,9 +77,9 @@ class BackwardConfig:
     products per tile pair, not seven) and the dQ kernel does not run. The order of
     the float adds into dQ varies between runs: not bit-identical on repeat, which
     the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
-    d = 128 fwd+bwd 389 TF/s with two consumers against 495 without it): the kernel
-    spills, its consumers' code allocated within the launch's 168 registers per
-    thread (experiments/results/mosaic_notes.md).
+    d = 128 fwd+bwd 389 TF/s with two consumers against 457 with the Triton
+    backward, in one run); a profiled variant of it spilled heavily at the launch's
+    168 registers per thread (experiments/results/mosaic_notes.md).
   """
 
   block_n: int = 64
@@ -100,7 +102,8 @@ class BackwardConfig:
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
       # double its accumulator registers, on top of dK and dV's).
-      raise ValueError(f"fused_dq=True needs block_n={ROWS}, not {self.block_n}")
+      raise ValueError(f"fused_dq=True needs block_n={ROWS} (the default), not "
+                       f"block_n={self.block_n}")
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
@@ -395,7 +398,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       shared memory to the copy engine, which adds it to dQ in global memory (in L2,
       so concurrent programs' adds to the same rows do not race) while dK's product
       runs. The interpreter has no reduce-add: each consumer adds to its own copy of
-      dQ there (the programs run one after another; the copies are summed after)."""
+      dQ there (the programs run one after another; the copies are summed after).
+      The program's last adds are waited for with its dK/dV stores (`_store_tile`)."""
       ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
       ds_smem[...] = ds_t          # the last tile's dQ product was waited for
       plgpu.commit_smem()          # visible to the tensor cores' reads
@@ -607,7 +611,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     extra["interpret"] = InterpretGPUParams()
-  bq_fused = config.block_n
 
   C, stages = config.consumers, config.stages
 
@@ -647,37 +650,57 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
-    scratch["ds_smem"] = smem((C, ROWS, bq_fused))
-    scratch["dq_smem"] = plgpu.SMEM((C, bq_fused, H), jnp.float32, transforms=(
+    scratch["ds_smem"] = smem((C, ROWS, stream_rows))
+    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, transforms=(
         plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
-    if interpret:  # one zeroed copy of dQ per consumer, summed here (`add_dq`)
-      per_consumer = jax.ShapeDtypeStruct((C, *dq_type.shape), jnp.float32)
+    if interpret:
+      # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
+      # (and scratch) with zeros where the interpreter's default is NaN.
+      per_consumer_dq = jax.ShapeDtypeStruct((C, *dq_type.shape), jnp.float32)
       zeroed = InterpretGPUParams(uninitialized_memory="zero")
       *outs, dq = plgpu.kernel(
           functools.partial(body, names=[*in_names, *out_names, "dq_acc", *scratch],
                             fused_dq=True),
-          out_type=[*out_type, per_consumer], scratch_types=list(scratch.values()),
+          out_type=[*out_type, per_consumer_dq], scratch_types=list(scratch.values()),
           grid=grid, grid_names=grid_names, compiler_params=params, **threads,
           interpret=zeroed)(*args)
       return (*outs, dq.sum(0))
     # The copy engine adds into dQ, so it must start at zero: the kernel reads and
     # writes dQ (and writes dK, dV) in place through refs of `pl.run_state`, which hands
     # back their final values (plgpu.kernel has no input-output aliasing; this is its
-    # launch without the vmap rule).
+    # launch, with its own batching rule below).
     thread_axis = threads.get("thread_name", ())
 
     def launch(*refs):
       pl.run_scoped(functools.partial(body, *refs, names=[
           *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
                     *scratch.values(), collective_axes=thread_axis)
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
 
-    def in_place(refs):
-      pl.kernel(launch, out_type=(), mesh=mesh, compiler_params=params,
-                name=kernel.func.__name__)(*args, *refs)
-    zeros = lambda t: jnp.zeros(t.shape, t.dtype)
-    dq, *outs = pl.run_state(in_place)([zeros(dq_type), *map(zeros, out_type)])
+    @jax.custom_batching.custom_vmap
+    def in_place_call(*args):
+      """The kernel on arrays whose leading axis is the batch (all its inputs and
+      outputs): the grid's last axis is taken from it."""
+      batch = args[0].shape[0]
+      mesh = plgpu.Mesh(grid=(*grid[:-1], batch), grid_names=grid_names, **threads)
+      types = [dq_type, *out_type]
+      zeros = [jnp.zeros((batch, *t.shape[1:]), t.dtype) for t in types]
+
+      def in_place(refs):
+        pl.kernel(launch, out_type=(), mesh=mesh, compiler_params=params,
+                  name=kernel.func.__name__)(*args, *refs)
+      return tuple(pl.run_state(in_place)(zeros))
+
+    @in_place_call.def_vmap
+    def _(axis_size, in_batched, *args):
+      # A vmapped call is the same kernel over axis_size x batch items (`pl.run_state`
+      # has no batching rule of its own).
+      args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+              for a, batched in zip(args, in_batched)]
+      outs = in_place_call(*(a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args))
+      return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), (True,) * len(outs)
+
+    dq, *outs = in_place_call(*args)
     return (*outs, dq)
 
   # -- dK, dV: C x ROWS keys per program, query tiles of block_n rows

@@ -179,9 +179,10 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
 # 3 x 64 rows spreads its fixed costs (Q in, O out, the pipeline's fill) over fewer key
 # tiles and leaves a larger last-program tail. In one benchmark run
 # (bench_a_three_consumers_h200.json) three consumers ran 1K d128 (batch 16) at 394.6
-# TF/s against 524.6 with two in the run before, while from 3K up three were level or
-# faster (T 3072 causal 526 against 470, 16K causal 655 against 585). With two below
-# it, 1K d128 ran 546.5 (bench_attention_h200.json).
+# TF/s, where two had run 524.6 in the run before (bench_attention_h200.json at commit
+# 610024c, as are 470 and 585 below), while from 3K up three were level or faster
+# (T 3072 causal 526 against 470, 16K causal 655 against 585). With two below it, 1K
+# d128 ran 546.5 (bench_attention_h200.json).
 THREE_CONSUMERS_MIN_SEQ = 2048
 
 
