@@ -21,7 +21,8 @@ With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 "mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
 rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x group
 for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
-window + segments + soft cap + lengths (0 included); a NaN in one query row; then
+window + segments + soft cap + lengths (0 included); a NaN in one query row; vmap
+against the same calls one by one; then
 fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
 (FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal). `--backward-configs`
 checks and times other variants of the Mosaic GPU backward (MosaicGPUConfig backward
@@ -402,6 +403,31 @@ def check_backward_case(name, shape, dtype, kw, seed, fields=None):
   return row
 
 
+def check_backward_vmap(shape=(2, 1, 1000, 1000, 4, 2, 64), fields=None):
+  """The backward under jax.vmap (leading axis of `shape`) against the same calls one by
+  one: equal to the last bit (with fused_dq the launch has its own batching rule)."""
+  row = {"name": "bwd vmapped", "ok": False}
+  try:
+    V, *one = shape
+    q, k, v = (jnp.stack(xs) for xs in zip(*(_inputs(tuple(one), jnp.bfloat16, 5 + i)
+                                              for i in range(V))))
+    do = jnp.ones_like(q)
+    f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=IMPL,
+                                         config=mosaic_backward(fields))
+    grads = lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
+    mapped = jax.jit(jax.vmap(grads))(q, k, v, do)
+    looped = [jax.jit(grads)(q[i], k[i], v[i], do[i]) for i in range(V)]
+    diff = [float(np.abs(np.asarray(m, np.float32) - np.stack(
+        [np.asarray(x[g], np.float32) for x in looped])).max())
+            for g, m in enumerate(mapped)]
+    row.update(max_abs_diff=dict(zip(("dq", "dk", "dv"), diff)),
+               ok=bool(all(d == 0 for d in diff)))
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {e}"[:3000]
+    traceback.print_exc()
+  return row
+
+
 def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), fields=None):
   """A NaN in one visible query row (causal): dq NaN in that row only; dv NaN exactly
   for the keys that row sees (a hidden key keeps P = 0)."""
@@ -492,8 +518,10 @@ def dry_run_cpu(variants=({},)):
     rows += [check_backward_case(f"dry gqa 4/2 d64 causal, T=70 S=90 {label}",
                                  (1, 70, 90, 4, 2, 64), jnp.bfloat16, dict(is_causal=True),
                                  seed=0, fields=fields),
-             check_backward_nan((1, 64, 64, 2, 2, 64), fields=fields)]
-    rows[-1]["name"] += f" {label}"
+             check_backward_nan((1, 64, 64, 2, 2, 64), fields=fields),
+             check_backward_vmap((2, 1, 70, 70, 2, 1, 64), fields=fields)]
+    for row in rows[-2:]:
+      row["name"] += f" {label}"
   for r in rows:
     print(r, flush=True)
   return 0 if all(r["ok"] for r in rows) else 1
@@ -516,9 +544,10 @@ def main_backward(args):
         checks.append(check_backward_case(name + suffix, shape, dtype, kw, seed=i,
                                           fields=fields))
         print(checks[-1], flush=True)
-      checks.append(check_backward_nan(fields=fields))
-      checks[-1]["name"] += suffix
-      print(checks[-1], flush=True)
+      for extra in (check_backward_nan(fields=fields), check_backward_vmap(fields=fields)):
+        checks.append(extra)
+        checks[-1]["name"] += suffix
+        print(checks[-1], flush=True)
   timing = [] if args.no_timing else time_backward_cells(
       args.rounds, [c for c in args.cells.split(",") if c], variants)
   name = args.name
