@@ -351,9 +351,17 @@ def check_backward_variants(variants):
 
 def backward_label(fields):
   """"bwd=mosaic_gpu" and the fields set, e.g. "bwd=mosaic_gpu consumers=2 fused_dq"."""
-  parts = [k.removeprefix("backward_") + ("" if v is True else f"={v}")
-           for k, v in sorted((fields or {}).items())]
-  return " ".join(["bwd=mosaic_gpu", *parts])
+  return " ".join(["bwd=mosaic_gpu", *_field_parts(fields)])
+
+
+def backward_suffix(fields):
+  """What a check's name gains for a variant: its fields set, e.g. " consumers=2"."""
+  return "".join(" " + part for part in _field_parts(fields))
+
+
+def _field_parts(fields):
+  return [k.removeprefix("backward_") + ("" if v is True else f"={v}")
+          for k, v in sorted((fields or {}).items())]
 
 
 # The forward's cases that are not in the backward check as it ran on the H200
@@ -514,14 +522,12 @@ def dry_run_cpu(variants=({},)):
   mosaic_impl.device_capability = lambda device=None: ("gpu", "9.0")
   rows = []
   for fields in variants:
-    label = backward_label(fields)
-    rows += [check_backward_case(f"dry gqa 4/2 d64 causal, T=70 S=90 {label}",
-                                 (1, 70, 90, 4, 2, 64), jnp.bfloat16, dict(is_causal=True),
-                                 seed=0, fields=fields),
+    rows += [check_backward_case("dry gqa 4/2 d64 causal, T=70 S=90", (1, 70, 90, 4, 2, 64),
+                                 jnp.bfloat16, dict(is_causal=True), seed=0, fields=fields),
              check_backward_nan((1, 64, 64, 2, 2, 64), fields=fields),
              check_backward_vmap((2, 1, 70, 70, 2, 1, 64), fields=fields)]
-    for row in rows[-2:]:
-      row["name"] += f" {label}"
+    for row in rows[-3:]:
+      row["name"] += backward_suffix(fields)
   for r in rows:
     print(r, flush=True)
   return 0 if all(r["ok"] for r in rows) else 1
@@ -537,7 +543,7 @@ def main_backward(args):
   checks = []
   if not args.no_check:
     for fields in variants:
-      suffix = "" if not fields else " " + backward_label(fields).removeprefix("bwd=mosaic_gpu ")
+      suffix = backward_suffix(fields)
       for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
         if args.only and args.only not in name:
           continue

@@ -153,6 +153,10 @@ class MosaicGPUConfig(BackendConfig):
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
       "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
+  # The backward fields here, by the name of the Mosaic GPU backward's record.
+  backward_field_names: ClassVar[dict[str, str]] = {
+      "backward_block_n": "block_n", "backward_consumers": "consumers",
+      "backward_fused_dq": "fused_dq"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -176,8 +180,9 @@ class MosaicGPUConfig(BackendConfig):
     try:
       BackwardConfig(**self.backward_fields())
     except ValueError as e:   # the kernel record's field names, as named here
-      raise ValueError(re.sub(r"\b(block_n|consumers|fused_dq|semantics|stages)=",
-                              r"backward_\1=", str(e))) from None
+      named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
+      raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
+                              lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
     for name in ("persistent", "overlap"):     # the kernel's record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
@@ -190,6 +195,5 @@ class MosaicGPUConfig(BackendConfig):
 
   def backward_fields(self) -> dict:
     """The backward fields set here, by the name of the Mosaic GPU backward's record."""
-    fields = {"block_n": self.backward_block_n, "consumers": self.backward_consumers,
-              "fused_dq": self.backward_fused_dq}
-    return {k: v for k, v in fields.items() if v is not None}
+    return {kernel: getattr(self, own) for own, kernel in self.backward_field_names.items()
+            if getattr(self, own) is not None}

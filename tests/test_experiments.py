@@ -153,7 +153,7 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   finally:
     mosaic_impl.device_capability = capability
   out = capsys.readouterr().out
-  assert "bwd=mosaic_gpu fused_dq" in out and "'ok': False" not in out
+  assert "T=70 S=90 fused_dq" in out and "'ok': False" not in out
   for bad, match in (('[{"backward_consumers": 3}]', "backward_consumers=3"),
                      ('[]', "non-empty"), ('[{"consumers": 2}]', "not backward fields"),
                      ('[{}, {}]', "repeats a variant")):
