@@ -413,7 +413,9 @@ def check_backward_case(name, shape, dtype, kw, seed, fields=None):
 
 def check_backward_vmap(shape=(2, 1, 1000, 1000, 4, 2, 64), fields=None):
   """The backward under jax.vmap (leading axis of `shape`) against the same calls one by
-  one: equal to the last bit (with fused_dq the launch has its own batching rule)."""
+  one: equal to the last bit, except dq with fused_dq (whose launch has its own
+  batching rule): the copy engine's float32 adds into dQ land in a varying order, so
+  the bf16 result may differ by one unit in the last place (2^-7 of its magnitude)."""
   row = {"name": "bwd vmapped", "ok": False}
   try:
     V, *one = shape
@@ -425,11 +427,16 @@ def check_backward_vmap(shape=(2, 1, 1000, 1000, 4, 2, 64), fields=None):
     grads = lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
     mapped = jax.jit(jax.vmap(grads))(q, k, v, do)
     looped = [jax.jit(grads)(q[i], k[i], v[i], do[i]) for i in range(V)]
-    diff = [float(np.abs(np.asarray(m, np.float32) - np.stack(
-        [np.asarray(x[g], np.float32) for x in looped])).max())
-            for g, m in enumerate(mapped)]
-    row.update(max_abs_diff=dict(zip(("dq", "dk", "dv"), diff)),
-               ok=bool(all(d == 0 for d in diff)))
+    unordered = {0} if (fields or {}).get("backward_fused_dq") else set()
+    diff, ok = [], True
+    for g, m in enumerate(mapped):
+      m = np.asarray(m, np.float32)
+      one = np.stack([np.asarray(x[g], np.float32) for x in looped])
+      d = np.abs(m - one)
+      ulp = 2.0 ** -7 * np.maximum(np.abs(m), np.abs(one)) if g in unordered else 0
+      diff.append(float(d.max()))
+      ok &= bool((d <= ulp).all())
+    row.update(max_abs_diff=dict(zip(("dq", "dk", "dv"), diff)), ok=ok)
   except Exception as e:
     row["error"] = f"{type(e).__name__}: {e}"[:3000]
     traceback.print_exc()
@@ -461,6 +468,8 @@ def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), fields=None):
 
 BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("16K d128", 1, 16384, 16, 16, 128),
+    ("4K d128 LM", 4, 4096, 8, 8, 128),    # the decoder LM's attention (seq_scaling --parts lm)
+    ("1K d128", 16, 1024, 16, 16, 128),
     ("4K d64", 4, 4096, 32, 32, 64),
     ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
     ("MQA 16/1 16K d128", 1, 16384, 16, 1, 128),

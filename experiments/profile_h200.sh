@@ -4,6 +4,9 @@
 # the summary (experiments/ncu_summary.py) keeps each kernel's last launch, a warm one.
 #
 #   bash experiments/profile_h200.sh OUT [CASE ...]     # on the H200; default: every case
+#   PROFILE_TOOL=sass bash experiments/profile_h200.sh OUT [CASE ...]
+#     instead of ncu: each case compiled once with Mosaic GPU's dump of PTX, ptxas log and
+#     SASS, summarised by experiments/sass_summary.py (register reallocation, spills).
 set -uo pipefail
 out=${1:?usage: profile_h200.sh OUT [CASE ...]}; shift
 mkdir -p "$out"
@@ -19,12 +22,29 @@ declare -A CASES=(
   [bwd_d128_triton]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward pallas"
   [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu"
   [bwd_d128_fused1]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true}"
+  [fwd_d128]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only"
+  [bwd_d128_ws]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_consumers\":2}"
   [bwd_d128_fused2]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_consumers\":2}"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section LaunchStats --section Occupancy --section InstructionStats
           --section MemoryWorkloadAnalysis)
+if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
+  ptxas=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
+  for name in "${names[@]}"; do
+    t=$SECONDS
+    mkdir -p "$out/sass_$name"
+    MOSAIC_GPU_DUMP_TO="$out/sass_$name" timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" \
+      $py -m experiments.profile_kernels --steps 1 ${CASES[$name]} >"$out/sass_$name.log" 2>&1
+    echo "== $name: rc=$? in $(( SECONDS - t )) s"
+    $py -m experiments.sass_summary "$out/sass_$name" ${ptxas:+--ptxas "$ptxas"} \
+      | tee "$out/sass_${name}_summary.txt"
+    # keep ptxas's logs (a few hundred bytes each); the PTX and MLIR dumps are large
+    find "$out/sass_$name" -type f ! -name '*.ptxas' -delete
+  done
+  exit 0
+fi
 for name in "${names[@]}"; do
   t=$SECONDS
   timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" ncu --clock-control none --csv --page raw \

@@ -201,22 +201,25 @@ def _check_grads(got, q, k, v, do, **kw):
     assert err <= 2 * err_plain + error_floor(q.dtype, t, n), (name, err, err_plain)
 
 
-@pytest.mark.parametrize("consumers,fused_dq", [(1, False), (2, False), (1, True), (2, True)])
-def test_interpreted_gqa_causal_with_tails(consumers, fused_dq):
+@pytest.mark.parametrize("consumers,fused_dq,H", [(1, False, 64), (2, False, 64), (1, True, 64),
+                                                  (2, True, 64), (2, True, 128)])
+def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
   transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
-  the shared tiles through 3 slots, and every barrier phase is observed. fused_dq: dQ
-  added tile by tile in the dK/dV kernel, the dQ kernel not run."""
-  q, k, v, do = random_qkv((1, 70, 90, 4, 2, 64), jnp.bfloat16, seed=1)
+  the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed. fused_dq: dQ
+  added tile by tile in the dK/dV kernel, the dQ kernel not run; at H = 128 in two
+  products of 64 columns (`DQ_COLS`)."""
+  q, k, v, do = random_qkv((1, 70, 90, 4, 2, H), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
-  config = mb.BackwardConfig(consumers=consumers, stages=3, fused_dq=fused_dq)
-  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
+  # three slots fit shared memory beside fused_dq's tiles at H = 64 only
+  config = mb.BackwardConfig(consumers=consumers, stages=3 if H == 64 else 2, fused_dq=fused_dq)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
-  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+  _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
 @pytest.mark.parametrize("consumers,fused_dq", [(None, None), (2, None), (None, True)])

@@ -52,6 +52,7 @@ from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, Mos
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
+DQ_COLS = 64            # fused_dq: columns of dQ per product (`add_dq`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,15 +171,20 @@ class _Products:
     issued right after it and left in flight: only the first is waited for, so the
     caller's next instructions run under the second (FlashAttention-3's overlap of
     dP^T with the dV product in the backward). `a_t`: `a` is a shared-memory ref read
-    transposed (a view, as `b_t`)."""
-    acc, a2, b2 = then
+    transposed (a view, as `b_t`). `then` None: the first product alone (every
+    product in flight waited for)."""
     if self.interpret:
-      acc[...] += self._dot(a2, b2, False)
+      if then is not None:
+        acc, a2, b2 = then
+        acc[...] += self._dot(a2, b2, False)
       return self._dot(a, b, b_t, a_t)
     plgpu = _plgpu()
 
     def run(fresh):
       plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
+      if then is None:
+        return plgpu.wgmma_accumulator_load(fresh)
+      acc, a2, b2 = then
       plgpu.wgmma(acc, a2, b2)
       return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -397,22 +403,30 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       memory, where the product reads it transposed; the float32 result goes through
       shared memory to the copy engine, which adds it to dQ in global memory (in L2,
       so concurrent programs' adds to the same rows do not race) while dK's product
-      runs. The interpreter has no reduce-add: each consumer adds to its own copy of
+      runs. The product is taken DQ_COLS columns at a time: a whole 64 x 128 float32
+      result beside the dK and dV accumulators needs more than the consumer's 232
+      registers (ptxas then serialises the matrix products and spills;
+      experiments/results/ptxas_h200/), a 64 x 64 one 32 per thread.
+      The interpreter has no reduce-add: each consumer adds to its own copy of
       dQ there (the programs run one after another; the copies are summed after).
       The program's last adds are waited for with its dK/dV stores (`_store_tile`)."""
       ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
-      ds_smem[...] = ds_t          # the last tile's dQ product was waited for
+      ds_smem[...] = ds_t          # the last tile's dQ products were waited for
       plgpu.commit_smem()          # visible to the tensor cores' reads
-      dq = mm.fresh_under(ds_smem, k_smem, (bq, H), a_t=True, b_t=False,
-                          then=(dk_acc, ds_t, q_smem))
-      if interpret:
-        dst = r["dq_acc"].at[wg, b, rows, n]
-        dst[...] = dst[...] + dq
-        return
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
-      dq_smem[...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
+      if not interpret:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last adds have read dq_smem
+      for c in range(H // DQ_COLS):
+        cols = pl.ds(c * DQ_COLS, DQ_COLS)
+        dq = mm.fresh_under(ds_smem, k_smem.at[:, cols], (bq, DQ_COLS), a_t=True, b_t=False,
+                            then=(dk_acc, ds_t, q_smem) if c == 0 else None)
+        if interpret:
+          dst = r["dq_acc"].at[wg, b, rows, n, cols]
+          dst[...] = dst[...] + dq
+          continue
+        dq_smem.at[c][...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem.at[c], r["dq_acc"].at[b, rows, n, cols],
+                                reduction_op="add")
 
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
@@ -651,8 +665,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
     scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, transforms=(
-        plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
+    scratch["dq_smem"] = plgpu.SMEM((C, H // DQ_COLS, stream_rows, DQ_COLS), jnp.float32,
+                                    transforms=(plgpu.TilingTransform((8, 32)),
+                                                plgpu.SwizzleTransform(128)))  # 128-byte rows
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
