@@ -130,22 +130,26 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    backward: "auto" (default): the Mosaic GPU backward for grouped heads (GQA, MQA)
-      at head_dim 128, where it measured faster on the H200, else the Triton one
-      (the rule: `jflash.mosaic_impl.backward_kind`); "pallas": the Triton backward
+    backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
+      heads (GQA, MQA) and for one key head per query head from
+      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, where it measured faster on
+      the H200, else the Triton one (the rule: `jflash.mosaic_impl.backward_kind`);
+      "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
       (pallas_kernels/mosaic_gpu/backward.py), head_dim 64 or 128.
     backward_block_n: whenever the Mosaic GPU backward runs, the N of each of its
       kernels' first products (query rows per tile of the dK/dV kernel, key rows per
       tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
-      program: 1 (the default) or 2 with a producer warpgroup (warp-specialised;
-      on the H200 +3% at MHA d = 128, -2 to -7% with grouped heads, -22% MQA causal).
+      program: 1, or 2 with a producer warpgroup (warp-specialised); None takes the
+      default, 2 with one key head per query head and 1 with grouped heads, the faster
+      of the two on the H200 (`pallas_kernels.mosaic_gpu.backward.default_config`).
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
-      bit-identical on repeat; correct but slower on the H200, where a profiled
-      variant spilled); needs backward_block_n 64.
+      bit-identical on repeat; correct but slower on the H200, where ptxas reports
+      its consumers' live values overflowing their 232 registers); needs
+      backward_block_n 64.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"

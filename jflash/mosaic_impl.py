@@ -73,41 +73,63 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
   _fwd.check_supported(q, k, v, kernel_config(q, cfg, masks))
   if backward_kind(q, k, cfg, masks) == "mosaic_gpu":
-    _bwd.check_supported(q, k, v, backward_config(cfg))
+    _bwd.check_supported(q, k, v, backward_config(q, k, cfg))
 
 
-def backward_config(cfg) -> _bwd.BackwardConfig:
-  """The caller's backward tiles over the Mosaic GPU backward's default."""
+def backward_config(q, k, cfg) -> _bwd.BackwardConfig:
+  """The caller's backward fields over the Mosaic GPU backward's default for the call's
+  GQA group (`pallas_kernels.mosaic_gpu.backward.default_config`)."""
   own = cfg.backend_config(MosaicGPUConfig)
-  return _bwd.BackwardConfig(**({} if own is None else own.backward_fields()))
+  default = _bwd.default_config(q.shape[2] // k.shape[2])
+  return dataclasses.replace(default, **({} if own is None else own.backward_fields()))
 
 
 # The dK/dV grid size below which "auto" keeps a causal call on the Triton backward.
 CAUSAL_DKV_PROGRAMS = 1024
+# Query and key lengths from which "auto" takes the Mosaic GPU backward with one key
+# head per query head: between the lengths timed, 1K (slower than the Triton backward)
+# and 4K (faster); 2K itself was not timed.
+MHA_MIN_SEQ = 2048
 
 
 def backward_kind(q, k, cfg, masks: Masks) -> str:
   """Which backward runs: the caller's choice, or with "auto" the faster one as measured
-  on the H200 (bf16, fwd+bwd; experiments/results/mosaic_backward_time_h200.json, and
-  the backward's share of bench_attention_h200.json's fwd+bwd times):
-  - grouped heads (GQA, MQA) at head_dim 128: the Mosaic GPU backward, whose dK/dV
-    program runs the group's query heads against K and V held in shared memory (+7%
-    GQA 32/8 8K, +12% MQA 16/1 16K, +22% GQA 32/8 8K causal), unless the call is
-    causal and its dK/dV grid (batch x key heads x key tiles of 64) has fewer than
-    CAUSAL_DKV_PROGRAMS programs: a causal program's work grows with its key tile's
-    distance from the end, and one wave of a few hundred programs lasts as long as
-    the heaviest (MQA 16/1 16K causal: 256 programs, 0.89x the Triton backward);
-  - one key head per query head: the Triton backward (the Mosaic GPU one measured
-    0.86x at 1K, 0.94x at 4K and 16K causal, level at 16K);
-  - head_dim 64 (0.88x) and 256 (not supported): the Triton backward."""
+  on the H200 (bf16, fwd+bwd against the Triton backward in the same process;
+  experiments/results/mosaic_backward_time_h200.json for one warpgroup per program,
+  mosaic_fused_dq_cols_time_h200.json for two and a producer), at head_dim 128:
+  - grouped heads (GQA, MQA): the Mosaic GPU backward (one warpgroup per program),
+    whose dK/dV program runs the group's query heads against K and V held in shared
+    memory (+7% GQA 32/8 8K, +12% MQA 16/1 16K, +22% GQA 32/8 8K causal);
+  - one key head per query head, with the default backward fields (two consumer
+    warpgroups and a producer, the config that was timed), query and key lengths
+    from MHA_MIN_SEQ and whole tiles of the program's 128 rows: the Mosaic GPU
+    backward (+5.4% and +7.0% at 4K, 8 heads, batch 4, the decoder LM's attention;
+    +5.7% and +0.6% at 16K, causal second); shorter, the Triton backward (1K: 0.985x
+    and 0.966x); off the tiles too, since the Mosaic GPU backward pads its inputs in
+    HBM (T = S = 3000 causal ran 299.8 TF/s with it, bench_model_h200.json, where the
+    Triton backward had run 335 the run before);
+  - either way not when the call is causal and its dK/dV grid (batch x key heads x
+    key tiles of 64 per consumer) has fewer than CAUSAL_DKV_PROGRAMS programs: a
+    causal program's work grows with its key tile's distance from the end, and one
+    wave of a few hundred programs lasts as long as the heaviest (MQA 16/1 16K causal:
+    256 programs, 0.89x the Triton backward).
+  head_dim 64 (0.88x) and 256 (not supported): the Triton backward."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
   B, S, K, H = k.shape
+  T = q.shape[1]
   grouped = q.shape[2] > K
-  programs = B * K * -(-S // _bwd.ROWS)
-  fast = H == 128 and grouped and (not masks.is_causal or programs >= CAUSAL_DKV_PROGRAMS)
-  return "mosaic_gpu" if fast else "pallas"
+  config = backward_config(q, k, cfg)
+  programs = B * K * -(-S // (config.consumers * _bwd.ROWS))
+  filled = not masks.is_causal or programs >= CAUSAL_DKV_PROGRAMS
+  if grouped:
+    wins = True
+  else:   # only the measured config, on whole tiles of its programs (no padding in HBM)
+    rows = config.consumers * _bwd.ROWS
+    wins = (config == _bwd.default_config(1) and min(T, S) >= MHA_MIN_SEQ
+            and T % rows == 0 and S % rows == 0)
+  return "mosaic_gpu" if H == 128 and wins and filled else "pallas"
 
 
 def supports(q, k, v, cfg, masks: Masks):
@@ -144,6 +166,6 @@ def backward(q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
   def bwd(q, k, v, out, lse, dout, dlse, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
     return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
-                               ops=ops, config=backward_config(cfg), interpret=interpret)
+                               ops=ops, config=backward_config(q, k, cfg), interpret=interpret)
   return first_order_only(bwd, "the mosaic_gpu backward kernels")(
       q, k, v, out, lse, dout, dlse, masks)

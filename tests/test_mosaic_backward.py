@@ -36,12 +36,31 @@ def test_backward_choice_and_validation():
   q, k, v = random_qkv((1, 16, 16, 2, 1, 64), jnp.bfloat16)[:3]
   kind = lambda q, k, v, **kw: mosaic_impl.backward_kind(q, k, *jflash.prepare(q, k, v, **kw))
   # "auto": the Mosaic GPU backward for grouped heads at head_dim 128, unless a causal
-  # dK/dV grid is small
+  # dK/dV grid is small; for one key head per query head from MHA_MIN_SEQ rows
   assert kind(q, k, v) == "pallas"                                   # head_dim 64
   q128, k128, v128 = random_qkv((1, 64, 64, 2, 1, 128), jnp.bfloat16)[:3]
   assert kind(q128, k128, v128) == "mosaic_gpu"
   assert kind(q128, k128, v128, is_causal=True) == "pallas"        # 1 x 1 x 1 programs
   assert kind(q128, q128, q128) == "pallas"                         # one key head per head
+  # ... from MHA_MIN_SEQ rows on, the Mosaic GPU backward with two consumers, when its
+  # causal grid (128 keys per program) is large enough
+  n = mosaic_impl.MHA_MIN_SEQ
+  mha = jax.ShapeDtypeStruct((1, n, 1, 128), jnp.bfloat16)
+  assert mosaic_impl.backward_kind(mha, mha, *jflash.prepare(q128, q128, q128)) == "mosaic_gpu"
+  assert mosaic_impl.backward_config(mha, mha, jflash.prepare(q128, q128, q128)[0]) == \
+      mb.BackwardConfig(consumers=2)
+  short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
+  assert mosaic_impl.backward_kind(short, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
+  ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # padded in HBM
+  assert mosaic_impl.backward_kind(ragged, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
+  for untimed in (dict(backward_consumers=1), dict(backward_fused_dq=True),
+                  dict(backward_block_n=128)):   # "auto" takes only the timed MHA config
+    own = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(**untimed))
+    assert mosaic_impl.backward_kind(mha, mha, *own) == "pallas", untimed
+  causal = jflash.prepare(q128, q128, q128, is_causal=True)
+  assert mosaic_impl.backward_kind(mha, mha, *causal) == "pallas"    # 16 programs
+  wide = jax.ShapeDtypeStruct((64, n, 1, 128), jnp.bfloat16)        # 64 x 16 = 1024
+  assert mosaic_impl.backward_kind(wide, wide, *causal) == "mosaic_gpu"
   S = 64 * mosaic_impl.CAUSAL_DKV_PROGRAMS
   big_q = jax.ShapeDtypeStruct((1, S, 2, 128), jnp.bfloat16)
   big_k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
@@ -57,7 +76,7 @@ def test_backward_choice_and_validation():
     mb.BackwardConfig(block_n=96)
   tiled = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_block_n=128))[0]
-  assert mosaic_impl.backward_config(tiled) == mb.BackwardConfig(block_n=128)
+  assert mosaic_impl.backward_config(q, k, tiled) == mb.BackwardConfig(block_n=128)
   assert mosaic_impl.kernel_config(q, tiled, masks) == mosaic_impl.kernel_config(q, cfg, masks)
   with pytest.raises(ValueError, match="semantics='auto'"):
     mb.BackwardConfig(semantics="auto")
@@ -73,7 +92,7 @@ def test_backward_choice_and_validation():
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
   fused = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_fused_dq=True))[0]
-  assert mosaic_impl.backward_config(fused) == mb.BackwardConfig(fused_dq=True)
+  assert mosaic_impl.backward_config(q, k, fused) == mb.BackwardConfig(fused_dq=True)
   # A combination that overflows shared memory is refused before it is compiled.
   for H in mb.HEAD_DIMS:
     for consumers in (1, 2):
@@ -209,8 +228,7 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
   the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed. fused_dq: dQ
-  added tile by tile in the dK/dV kernel, the dQ kernel not run; at H = 128 in two
-  products of 64 columns (`DQ_COLS`)."""
+  added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64 and 128)."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, H), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
@@ -222,7 +240,7 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
-@pytest.mark.parametrize("consumers,fused_dq", [(None, None), (2, None), (None, True)])
+@pytest.mark.parametrize("consumers,fused_dq", [(None, None), (1, None), (None, True)])
 def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq):
   """The Mosaic GPU backward through jflash's custom_vjp (forward and backward, both
   interpreted): window, segments (one query segment sees no key), soft cap, key and
@@ -243,8 +261,9 @@ def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq)
   config = jflash.MosaicGPUConfig(backward="mosaic_gpu", backward_consumers=consumers,
                                   backward_fused_dq=fused_dq)
   cfg, masks = jflash.prepare(q, k, v, config=config, **kw)
-  assert mosaic_impl.backward_config(cfg).consumers == (consumers or 1)
-  assert mosaic_impl.backward_config(cfg).fused_dq == bool(fused_dq)
+  # one key head per query head: two consumers unless the caller says otherwise
+  assert mosaic_impl.backward_config(q, k, cfg).consumers == (consumers or 2)
+  assert mosaic_impl.backward_config(q, k, cfg).fused_dq == bool(fused_dq)
   calls = []
   kernel = mb.flash_backward
   monkeypatch.setattr(mb, "flash_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))

@@ -9,8 +9,10 @@ dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dS' = dS * (1 - tanh^2) under a
 cap, dK = scale dS'^T Q, dQ = scale dS' K, with delta = rowsum(dO * O) minus the lse
 cotangent (`backward_statistics`, shared with the Triton kernels).
 
-Two kernels, each program one warpgroup (M = 64 rows of every warpgroup matrix
-product; `BackwardConfig.consumers=2` is the warp-specialised variant) that loads its
+Two kernels, each program one warpgroup (`BackwardConfig()`; M = 64 rows of every
+warpgroup matrix product) or two and a producer (`consumers=2`, warp-specialised;
+jflash's adapter starts from `default_config`, which takes two with one key head per
+query head) that loads its
 tiles with bulk tensor copies (TMA): the program's fixed operands once, the streamed
 ones double-buffered (the next tile's copies are issued before this tile's products).
 With `BackwardConfig.fused_dq` the dK/dV kernel also adds each tile's dQ to a float32
@@ -52,7 +54,6 @@ from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, Mos
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
-DQ_COLS = 64            # fused_dq: columns of dQ per product (`add_dq`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +67,9 @@ class BackwardConfig:
     explicit register layouts, as this kernel is written).
   consumers: warpgroups that compute, each owning 64 rows of the program's fixed
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
-    tiles (the variant checked and timed on the H200). 2: a third, producer
-    warpgroup streams the tiles both consumers read, through `stages` slots
-    (FlashAttention-3's warp specialisation; correct on the H200, and there +3% at
-    MHA d = 128, -2 to -7% with grouped heads and -22% for MQA causal against 1:
-    mosaic_backward_check_h200_ws.json).
+    tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
+    through `stages` slots (FlashAttention-3's warp specialisation). Both correct on
+    the H200; which is faster depends on the GQA group (`default_config`).
   fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
     tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
     product there, and the copy engine adds it to a float32 dQ in global memory (bulk
@@ -79,8 +78,9 @@ class BackwardConfig:
     the float adds into dQ varies between runs: not bit-identical on repeat, which
     the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
     d = 128 fwd+bwd 389 TF/s with two consumers against 457 with the Triton
-    backward, in one run); a profiled variant of it spilled heavily at the launch's
-    168 registers per thread (experiments/results/mosaic_notes.md).
+    backward, in one run): ptxas serialises its matrix products for want of
+    registers and spills (experiments/results/ptxas_h200/: the dQ result beside the
+    dK and dV accumulators does not fit a consumer's 232 registers).
   """
 
   block_n: int = 64
@@ -105,6 +105,19 @@ class BackwardConfig:
       # double its accumulator registers, on top of dK and dV's).
       raise ValueError(f"fused_dq=True needs block_n={ROWS} (the default), not "
                        f"block_n={self.block_n}")
+
+
+# Consumer warpgroups per program by GQA group size, from fwd+bwd timings on the H200
+# (bf16, head_dim 128): with one key head per query head two consumers and a producer
+# (warp specialisation) ran ahead of one warpgroup (16K d128 486.9 against 470.5 TF/s,
+# mosaic_backward_check_h200_ws.json) and of the Triton backward from 4K on (+5.4 to
+# +7.0% at 4K, +0.6 to +5.7% at 16K; 1K -1.5 and -3.4%; mosaic_fused_dq_cols_time_h200
+# .json); with grouped heads one warpgroup per program was the faster (GQA 32/8 8K
+# 497.7 against 489.0, causal 478.6 against 445.5; MQA 16/1 16K causal 411.7 against
+# 323.0).
+def default_config(group: int) -> BackwardConfig:
+  """The backward's config for a GQA group of `group` query heads per key head."""
+  return BackwardConfig(consumers=2 if group == 1 else 1)
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
@@ -171,20 +184,15 @@ class _Products:
     issued right after it and left in flight: only the first is waited for, so the
     caller's next instructions run under the second (FlashAttention-3's overlap of
     dP^T with the dV product in the backward). `a_t`: `a` is a shared-memory ref read
-    transposed (a view, as `b_t`). `then` None: the first product alone (every
-    product in flight waited for)."""
+    transposed (a view, as `b_t`)."""
+    acc, a2, b2 = then
     if self.interpret:
-      if then is not None:
-        acc, a2, b2 = then
-        acc[...] += self._dot(a2, b2, False)
+      acc[...] += self._dot(a2, b2, False)
       return self._dot(a, b, b_t, a_t)
     plgpu = _plgpu()
 
     def run(fresh):
       plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
-      if then is None:
-        return plgpu.wgmma_accumulator_load(fresh)
-      acc, a2, b2 = then
       plgpu.wgmma(acc, a2, b2)
       return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -403,30 +411,22 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       memory, where the product reads it transposed; the float32 result goes through
       shared memory to the copy engine, which adds it to dQ in global memory (in L2,
       so concurrent programs' adds to the same rows do not race) while dK's product
-      runs. The product is taken DQ_COLS columns at a time: a whole 64 x 128 float32
-      result beside the dK and dV accumulators needs more than the consumer's 232
-      registers (ptxas then serialises the matrix products and spills;
-      experiments/results/ptxas_h200/), a 64 x 64 one 32 per thread.
-      The interpreter has no reduce-add: each consumer adds to its own copy of
+      runs. The interpreter has no reduce-add: each consumer adds to its own copy of
       dQ there (the programs run one after another; the copies are summed after).
       The program's last adds are waited for with its dK/dV stores (`_store_tile`)."""
       ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
-      ds_smem[...] = ds_t          # the last tile's dQ products were waited for
+      ds_smem[...] = ds_t          # the last tile's dQ product was waited for
       plgpu.commit_smem()          # visible to the tensor cores' reads
-      if not interpret:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last adds have read dq_smem
-      for c in range(H // DQ_COLS):
-        cols = pl.ds(c * DQ_COLS, DQ_COLS)
-        dq = mm.fresh_under(ds_smem, k_smem.at[:, cols], (bq, DQ_COLS), a_t=True, b_t=False,
-                            then=(dk_acc, ds_t, q_smem) if c == 0 else None)
-        if interpret:
-          dst = r["dq_acc"].at[wg, b, rows, n, cols]
-          dst[...] = dst[...] + dq
-          continue
-        dq_smem.at[c][...] = dq
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem.at[c], r["dq_acc"].at[b, rows, n, cols],
-                                reduction_op="add")
+      dq = mm.fresh_under(ds_smem, k_smem, (bq, H), a_t=True, b_t=False,
+                          then=(dk_acc, ds_t, q_smem))
+      if interpret:
+        dst = r["dq_acc"].at[wg, b, rows, n]
+        dst[...] = dst[...] + dq
+        return
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
+      dq_smem[...] = dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
 
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
@@ -665,9 +665,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
     scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-    scratch["dq_smem"] = plgpu.SMEM((C, H // DQ_COLS, stream_rows, DQ_COLS), jnp.float32,
-                                    transforms=(plgpu.TilingTransform((8, 32)),
-                                                plgpu.SwizzleTransform(128)))  # 128-byte rows
+    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, transforms=(
+        plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
