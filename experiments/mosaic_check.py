@@ -470,6 +470,7 @@ def check_backward_nan(shape=(1, 256, 256, 2, 2, 64), fields=None):
 BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("16K d128", 1, 16384, 16, 16, 128),
     ("4K d128 LM", 4, 4096, 8, 8, 128),    # the decoder LM's attention (seq_scaling --parts lm)
+    ("2K d128", 8, 2048, 16, 16, 128),     # MHA_MIN_SEQ of the "auto" backward rule
     ("1K d128", 16, 1024, 16, 16, 128),
     ("4K d64", 4, 4096, 32, 32, 64),
     ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
