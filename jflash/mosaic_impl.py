@@ -87,8 +87,9 @@ def backward_config(q, k, cfg) -> _bwd.BackwardConfig:
 # The dK/dV grid size below which "auto" keeps a causal call on the Triton backward.
 CAUSAL_DKV_PROGRAMS = 1024
 # Query and key lengths from which "auto" takes the Mosaic GPU backward with one key
-# head per query head: between the lengths timed, 1K (slower than the Triton backward)
-# and 4K (faster); 2K itself was not timed.
+# head per query head: at 2K the two backwards ran level (419.1 against 420.1 TF/s
+# fwd+bwd, causal 339.7 against 339.5; mosaic_ws_2k_time_h200.json), at 1K the Mosaic
+# GPU one was slower, from 4K faster.
 MHA_MIN_SEQ = 2048
 
 
@@ -104,8 +105,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     warpgroups and a producer, the config that was timed), query and key lengths
     from MHA_MIN_SEQ and whole tiles of the program's 128 rows: the Mosaic GPU
     backward (+5.4% and +7.0% at 4K, 8 heads, batch 4, the decoder LM's attention;
-    +5.7% and +0.6% at 16K, causal second); shorter, the Triton backward (1K: 0.985x
-    and 0.966x); off the tiles too, since the Mosaic GPU backward pads its inputs in
+    +5.7% and +0.6% at 16K, causal second; level at 2K); shorter, the Triton backward
+    (1K: 0.985x and 0.966x); off the tiles too, since the Mosaic GPU backward pads its inputs in
     HBM (T = S = 3000 causal ran 299.8 TF/s with it, bench_model_h200.json, where the
     Triton backward had run 335 the run before);
   - either way not when the call is causal and its dK/dV grid (batch x key heads x
