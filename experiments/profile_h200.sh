@@ -31,15 +31,13 @@ sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section War
           --section LaunchStats --section Occupancy --section InstructionStats
           --section MemoryWorkloadAnalysis)
 if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
-  ptxas=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
   for name in "${names[@]}"; do
     t=$SECONDS
     mkdir -p "$out/sass_$name"
     MOSAIC_GPU_DUMP_TO="$out/sass_$name" timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" \
       $py -m experiments.profile_kernels --steps 1 ${CASES[$name]} >"$out/sass_$name.log" 2>&1
     echo "== $name: rc=$? in $(( SECONDS - t )) s"
-    $py -m experiments.sass_summary "$out/sass_$name" ${ptxas:+--ptxas "$ptxas"} \
-      | tee "$out/sass_${name}_summary.txt"
+    $py -m experiments.sass_summary "$out/sass_$name" | tee "$out/sass_${name}_summary.txt"
     # keep ptxas's logs (a few hundred bytes each); the PTX and MLIR dumps are large
     find "$out/sass_$name" -type f ! -name '*.ptxas' -delete
   done

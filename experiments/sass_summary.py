@@ -1,15 +1,14 @@
 """What ptxas made of each Mosaic GPU kernel, out of a `MOSAIC_GPU_DUMP_TO` directory.
 
   MOSAIC_GPU_DUMP_TO=DIR python -m experiments.profile_kernels ...   # on the GPU
-  python -m experiments.sass_summary DIR [--ptxas PTXAS]
+  python -m experiments.sass_summary DIR
 
 Per dumped module: ptxas's log (registers at entry, spill bytes, and its warnings: C7512
 "wgmma.mma_async instructions are serialized due to insufficient register resources"
 says a warpgroup's live values did not fit the registers `setmaxnreg` gave it; C7508
 would say setmaxnreg was ignored), the PTX's launch directives and `setmaxnreg`
 counts, and, where the SASS was dumped (nvdisasm present), its register reallocations
-(`USETMAXREG`) and local-memory traffic (`LDL`/`STL`). With --ptxas, the dumped PTX
-is compiled once more with `-v`.
+(`USETMAXREG`) and local-memory traffic (`LDL`/`STL`).
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import argparse
 import collections
 import pathlib
 import re
-import subprocess
 import sys
 
 # SASS opcodes worth counting: register reallocation and local memory (spill) traffic.
@@ -41,7 +39,7 @@ def setmaxreg_lines(sass: str) -> list[str]:
   return [" ".join(l.split("*/", 1)[-1].split()) for l in sass.splitlines() if "USETMAXREG" in l]
 
 
-def summarize(directory: pathlib.Path, ptxas: str | None) -> None:
+def summarize(directory: pathlib.Path) -> None:
   bases = sorted({f.with_suffix("") for ext in ("sass", "ptxas", "ptx")
                   for f in directory.rglob(f"*.{ext}")})
   if not bases:
@@ -65,21 +63,14 @@ def summarize(directory: pathlib.Path, ptxas: str | None) -> None:
       directives = sorted(set(re.findall(r"\.(?:maxntid|reqntid|minnctapersm|maxnreg)[^\n]*", text)))
       print("  PTX directives:", directives, "| setmaxnreg:",
             sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \d+", text))))
-      if ptxas:
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", "/dev/null", str(ptx)],
-                           capture_output=True, text=True)
-        for line in (r.stdout + r.stderr).splitlines():
-          if line.strip():
-            print("  ptxas -v:", line.strip()[:300])
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("dirs", nargs="+", type=pathlib.Path)
-  p.add_argument("--ptxas", default=None, help="ptxas binary to recompile the dumped PTX with -v")
   args = p.parse_args(argv)
   for d in args.dirs:
-    summarize(d, args.ptxas)
+    summarize(d)
   sys.stdout.flush()
 
 

@@ -106,9 +106,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     from MHA_MIN_SEQ and whole tiles of the program's 128 rows: the Mosaic GPU
     backward (+5.4% and +7.0% at 4K, 8 heads, batch 4, the decoder LM's attention;
     +5.7% and +0.6% at 16K, causal second; level at 2K); shorter, the Triton backward
-    (1K: 0.985x and 0.966x); off the tiles too, since the Mosaic GPU backward pads its inputs in
-    HBM (T = S = 3000 causal ran 299.8 TF/s with it, bench_model_h200.json, where the
-    Triton backward had run 335 the run before);
+    (1K: 0.985x and 0.966x); off the tiles too, since the Mosaic GPU backward pads its
+    inputs in HBM (T = S = 3000 causal ran 299.8 TF/s with it, bench_model_h200.json,
+    where the Triton backward had run 335 the run before);
   - either way not when the call is causal and its dK/dV grid (batch x key heads x
     key tiles of 64 per consumer) has fewer than CAUSAL_DKV_PROGRAMS programs: a
     causal program's work grows with its key tile's distance from the end, and one
@@ -122,15 +122,12 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   T = q.shape[1]
   grouped = q.shape[2] > K
   config = backward_config(q, k, cfg)
-  programs = B * K * -(-S // (config.consumers * _bwd.ROWS))
-  filled = not masks.is_causal or programs >= CAUSAL_DKV_PROGRAMS
-  if grouped:
-    wins = True
-  else:   # only the measured config, on whole tiles of its programs (no padding in HBM)
-    rows = config.consumers * _bwd.ROWS
-    wins = (config == _bwd.default_config(1) and min(T, S) >= MHA_MIN_SEQ
-            and T % rows == 0 and S % rows == 0)
-  return "mosaic_gpu" if H == 128 and wins and filled else "pallas"
+  rows = config.consumers * _bwd.ROWS          # keys per dK/dV program
+  filled = not masks.is_causal or B * K * -(-S // rows) >= CAUSAL_DKV_PROGRAMS
+  # one key head per query head: only the timed config, on whole tiles (no HBM padding)
+  timed_mha = (config == _bwd.default_config(1) and min(T, S) >= MHA_MIN_SEQ
+               and T % rows == 0 and S % rows == 0)
+  return "mosaic_gpu" if H == 128 and (grouped or timed_mha) and filled else "pallas"
 
 
 def supports(q, k, v, cfg, masks: Masks):

@@ -188,3 +188,29 @@ def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):
     assert "time                    1.5 ms" in out and "9.0" not in out
     assert "49.50  sm__pipe_tensor_cycles_active" in out and "77.00" in out
     assert "1.600  smsp__average_warps_issue_stalled_wait" in out
+
+
+def test_sass_summary_reads_a_mosaic_gpu_dump(tmp_path, capsys):
+  # A `MOSAIC_GPU_DUMP_TO` directory in miniature: one kernel with ptxas's log (the
+  # committed one of the fused dQ kernel), its PTX and its SASS; another with the log only.
+  import shutil
+  from experiments import sass_summary
+  logs = REPO / "experiments/results/ptxas_h200"
+  shutil.copy(logs / "bwd_d128_fused2/_dkv_kernel_1.ptxas", tmp_path / "k.ptxas")
+  (tmp_path / "k.ptx").write_text(
+      ".maxntid 384, 1, 1\n.minnctapersm 1\n\tsetmaxnreg.dec.sync.aligned.u32 40;\n"
+      "\tsetmaxnreg.inc.sync.aligned.u32 232;\n")
+  (tmp_path / "k.sass").write_text(
+      "        /*0010*/                   USETMAXREG.DEALLOC.CTAPOOL 0x28 ;\n"
+      "        /*0020*/              @!P0 STL [R1], R2 ;\n"
+      "        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+      "        /*0040*/              @UP0 LDL.64 R2, [R1] ;\n")
+  shutil.copy(logs / "fwd_d64/anonymous_0.ptxas", tmp_path / "m.ptxas")
+  sass_summary.summarize(tmp_path)
+  out = capsys.readouterr().out
+  assert out.count("### ") == 2
+  assert "'USETMAXREG': 1, 'LDL': 1, 'STL': 1, 'HGMMA': 1" in out
+  assert "USETMAXREG.DEALLOC.CTAPOOL 0x28 ;" in out
+  assert "C7512" in out and "488 bytes spill stores" in out
+  assert "'.minnctapersm 1'" in out and "setmaxnreg.inc.sync.aligned.u32 232" in out
+  assert "0 bytes spill stores" in out            # the forward's log, read alone

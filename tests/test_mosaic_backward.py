@@ -227,8 +227,9 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
   transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
-  the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed. fused_dq: dQ
-  added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64 and 128)."""
+  the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed.
+  fused_dq: dQ added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64
+  and 128)."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, H), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
