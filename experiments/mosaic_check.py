@@ -245,7 +245,11 @@ def forward_fns(causal, peers):
   return fns
 
 
-def time_cells(rounds, sweep, peers, cells, variants=()):
+def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
+  """Forward TF/s per cell of mosaic_gpu and `peers`; with `sweep` also the kernel's
+  tile variants (`sweep_configs`, filtered by `variants`); `over_table`: dicts of
+  MosaicConfig fields, each timed over the table's config of the cell."""
+  import dataclasses
   from pallas_kernels.masking import MaskOptions
   from pallas_kernels.mosaic_gpu import forward as mf
   rows = []
@@ -258,6 +262,27 @@ def time_cells(rounds, sweep, peers, cells, variants=()):
       row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "H": H,
              "causal": causal, "tflops": {}}
       fns = dict(forward_fns(causal, peers))
+      configs = {}
+      for fields in over_table:
+        label = f"{IMPL} " + ",".join(f"{a}={b}" for a, b in fields.items())
+        table = mf.default_config(H, causal, S)
+        try:
+          config = dataclasses.replace(table, **fields)
+        except ValueError as e:     # not a config over this cell's table entry
+          row.setdefault("not_configs", {})[label] = str(e)
+          continue
+        # The turn-taking fields do nothing without the ping-pong (three consumers).
+        runs_as = lambda c: c if c.ping_pong else dataclasses.replace(
+            c, ping_pong_order="lockstep", named_barriers=False)
+        same = [a for a, c in [(IMPL, table), *configs.items()]
+                if runs_as(c) == runs_as(config)]
+        if same:                    # e.g. ping-pong fields over a table without one
+          row.setdefault("same_config_as", {})[label] = same[0]
+        else:
+          configs[label] = config
+      for label, config in configs.items():
+        fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
+            q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       if sweep:
         for config in sweep_configs(H):
           label = (f"{IMPL} {config.block_q}/{config.block_k}x{config.stages}" + ("" if config.pv_in_place else
@@ -275,7 +300,7 @@ def time_cells(rounds, sweep, peers, cells, variants=()):
       for impl, fn in fns.items():
         args = (q, k, v) if "fp16" not in impl else tuple(x.astype(jnp.float16) for x in (q, k, v))
         try:
-          if impl == "cudnn" or (sweep and impl.startswith(IMPL)):
+          if impl == "cudnn" or ((sweep or over_table) and impl.startswith(IMPL)):
             # A sanity check of every variant timed: its output against cuDNN's.
             out = np.asarray(fn(*args), np.float32)
             if impl == "cudnn":
@@ -598,6 +623,9 @@ def main(argv=None):
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
   p.add_argument("--variants", default="",
                  help="with --sweep: comma-separated substrings of the variant labels to time")
+  p.add_argument("--over-table", default="[]",
+                 help="a JSON list of MosaicConfig field dicts, each timed over the table's "
+                      'config of every cell, e.g. \'[{"auto_barriers": false}]\'')
   p.add_argument("--config", default=None,
                  help='check the forward with MosaicGPUConfig(**JSON), e.g. '
                       '\'{"consumers": 3, "ping_pong": false}\'')
@@ -629,7 +657,8 @@ def main(argv=None):
       print(extra, flush=True)
   timing = [] if args.no_timing else time_cells(args.rounds, args.sweep, args.peers.split(","),
                                                    [c for c in args.cells.split(",") if c],
-                                                   [v for v in args.variants.split(",") if v])
+                                                   [v for v in args.variants.split(",") if v],
+                                                   json.loads(args.over_table))
   path = write_result(args.name, vars(args), checks, extra={**result, "timing": timing},
                       out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]
