@@ -271,12 +271,8 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
         except ValueError as e:     # not a config over this cell's table entry
           row.setdefault("not_configs", {})[label] = str(e)
           continue
-        # The turn-taking fields do nothing without the ping-pong (three consumers).
-        runs_as = lambda c: c if c.ping_pong else dataclasses.replace(
-            c, ping_pong_order="lockstep", named_barriers=False)
-        same = [a for a, c in [(IMPL, table), *configs.items()]
-                if runs_as(c) == runs_as(config)]
-        if same:                    # e.g. ping-pong fields over a table without one
+        same = [a for a, c in [(IMPL, table), *configs.items()] if c == config]
+        if same:                    # e.g. the table's own value of the field
           row.setdefault("same_config_as", {})[label] = same[0]
         else:
           configs[label] = config
@@ -625,7 +621,7 @@ def main(argv=None):
                  help="with --sweep: comma-separated substrings of the variant labels to time")
   p.add_argument("--over-table", default="[]",
                  help="a JSON list of MosaicConfig field dicts, each timed over the table's "
-                      'config of every cell, e.g. \'[{"auto_barriers": false}]\'')
+                      'config of every cell, e.g. \'[{"stages": 3}, {"persistent": false}]\'')
   p.add_argument("--config", default=None,
                  help='check the forward with MosaicGPUConfig(**JSON), e.g. '
                       '\'{"consumers": 3, "ping_pong": false}\'')

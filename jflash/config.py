@@ -130,10 +130,6 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    ping_pong_order: how two ping-ponged consumers take turns, "lockstep" (products
-      and softmaxes alternate) or "products" (only the products alternate).
-    named_barriers: the ping-pong's turns on hardware named barriers ("products" only).
-    auto_barriers: False drops Pallas's automatic warpgroup barriers from the compile.
     backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, where it measured faster on
@@ -154,19 +150,17 @@ class MosaicGPUConfig(BackendConfig):
       bit-identical on repeat; correct but slower on the H200, where ptxas reports
       its consumers' live values overflowing their 232 registers); needs
       backward_block_n 64.
-    backward_auto_barriers: whenever the Mosaic GPU backward runs, False drops Pallas's
-      automatic warpgroup barriers from its compile (not with backward_fused_dq).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "ping_pong_order", "named_barriers", "auto_barriers")
+      "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
       "backward_block_n": "block_n", "backward_consumers": "consumers",
-      "backward_fused_dq": "fused_dq", "backward_auto_barriers": "auto_barriers"}
+      "backward_fused_dq": "fused_dq"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -176,14 +170,10 @@ class MosaicGPUConfig(BackendConfig):
   consumers: int | None = None
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  ping_pong_order: str | None = None
-  named_barriers: bool | None = None
-  auto_barriers: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
   backward_fused_dq: bool | None = None
-  backward_auto_barriers: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

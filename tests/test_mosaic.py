@@ -309,39 +309,6 @@ def test_lowers_overlapped_with_every_mask_path():
   assert "mosaic_gpu" in _lowered(64, opts, _segments_and_lengths, config=config)
 
 
-PRODUCTS_ORDER = dict(ping_pong_order="products")
-NAMED_TURNS = dict(ping_pong_order="products", named_barriers=True)
-
-
-@pytest.mark.parametrize("variant", [PRODUCTS_ORDER, NAMED_TURNS, dict(auto_barriers=False),
-                                     dict(NAMED_TURNS, auto_barriers=False)])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_lowers_with_each_turn_taking(variant, persistent):
-  config = mf.MosaicConfig(64, 128, 2, persistent=persistent, **variant)
-  module = _kernel_module(_lowered(64, MaskOptions(is_causal=True), config=config))
-  named = re.findall(r"bar\.(sync|arrive) \$0, 256", module)
-  # Per tile one arrival and one wait, and the item's end: a pass each way and a wait.
-  assert sorted(set(named)) == (["arrive", "sync"] if config.named_barriers else [])
-
-
-def test_turn_taking_fields_are_checked():
-  with pytest.raises(ValueError, match="ping_pong_order='turns'"):
-    mf.MosaicConfig(ping_pong_order="turns")
-  with pytest.raises(ValueError, match="named_barriers=1"):
-    mf.MosaicConfig(named_barriers=1)
-  with pytest.raises(ValueError, match="auto_barriers=None"):
-    mf.MosaicConfig(auto_barriers=None)
-
-
-def test_auto_barriers_reach_the_compile():
-  plain, bare = (_kernel_module(_lowered(64, MaskOptions(), config=mf.MosaicConfig(
-      64, 128, 2, auto_barriers=a))) for a in (True, False))
-  # Pallas's warpgroup barriers (`bar.sync 1 + warpgroup, 128`) around every scoped
-  # accumulator: far fewer without them.
-  count = lambda m: len(re.findall(r"bar\.sync", m))
-  assert count(bare) < count(plain), (count(bare), count(plain))
-
-
 def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
   config = mf.MosaicConfig(64, 64, 3, pv_in_place=False)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(), config=config)
@@ -371,7 +338,7 @@ def _check_against_reference(q, k, v, out, lse, **kw):
 THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolves to False
 
 
-@pytest.mark.parametrize("variant", [{}, dict(overlap=True), THREE_CONSUMERS, PRODUCTS_ORDER])
+@pytest.mark.parametrize("variant", [{}, dict(overlap=True), THREE_CONSUMERS])
 def test_interpreted_pipeline_mqa_causal_off_tile(variant):
   """Two programs of 128 rows (T = 130), the last one mostly padding (with three
   consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
@@ -386,7 +353,7 @@ def test_interpreted_pipeline_mqa_causal_off_tile(variant):
 
 
 @pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, dict(overlap=True)),
-                                             (True, THREE_CONSUMERS), (True, PRODUCTS_ORDER)])
+                                             (True, THREE_CONSUMERS)])
 def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make

@@ -169,15 +169,6 @@ def test_lowers_warp_specialised(H):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
 
 
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_lowers_without_automatic_barriers(consumers):
-  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  config = mb.BackwardConfig(consumers=consumers, auto_barriers=False)
-  assert _lowered(128, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
-  with pytest.raises(ValueError, match="fused_dq=True keeps"):
-    mb.BackwardConfig(fused_dq=True, auto_barriers=False)
-
-
 @pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
 def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
   """fused_dq: one kernel (dK/dV, adding dQ with the copy engine's reduce-add), every

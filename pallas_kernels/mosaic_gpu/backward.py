@@ -49,9 +49,8 @@ from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, MosaicConfig,
-                                               _load_vector, _plgpu, _warpgroup_barrier,
-                                               check_head_dim_and_dtype, check_shared_memory,
-                                               compiler_params, pad_axis)
+                                               _load_vector, _plgpu, check_head_dim_and_dtype,
+                                               check_shared_memory, compiler_params, pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -82,10 +81,6 @@ class BackwardConfig:
     backward, in one run): ptxas serialises its matrix products for want of
     registers and spills (experiments/results/ptxas_h200/: the dQ result beside the
     dK and dV accumulators does not fit a consumer's 232 registers).
-  auto_barriers: as the forward's (`MosaicConfig.auto_barriers`): False drops Pallas's
-    warpgroup barriers around every scoped accumulator and shared-memory store; the
-    kernels place the ones their slot refills and output stores need themselves.
-    fused_dq rewrites its dS' and dQ tiles every tile and keeps them.
   """
 
   block_n: int = 64
@@ -93,7 +88,6 @@ class BackwardConfig:
   consumers: int = 1
   stages: int = 2
   fused_dq: bool = False
-  auto_barriers: bool = True
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -106,11 +100,6 @@ class BackwardConfig:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
     if not isinstance(self.fused_dq, bool):
       raise ValueError(f"fused_dq={self.fused_dq!r} must be a bool")
-    if not isinstance(self.auto_barriers, bool):
-      raise ValueError(f"auto_barriers={self.auto_barriers!r} must be a bool")
-    if self.fused_dq and not self.auto_barriers:
-      raise ValueError("fused_dq=True keeps Pallas's automatic barriers (its dS' and dQ "
-                       "tiles are rewritten every tile): auto_barriers=False is not taken")
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
       # double its accumulator registers, on top of dK and dV's).
@@ -297,13 +286,11 @@ class _Stream:
   waited for (`_Products.wait` at the end of each tile) before the next copy is issued. Each slot's
   barriers complete once per copy and are waited on once per tile."""
 
-  def __init__(self, srcs, smems, loaded, interpret):
+  def __init__(self, srcs, smems, loaded):
     self.srcs, self.smems, self.loaded = srcs, smems, loaded   # loaded: [operand, slot]
-    self.interpret = interpret
 
   def start(self, slot, *coords):
     plgpu = _plgpu()
-    _warpgroup_barrier(self.interpret)   # every warp's products read the slot's last tile
     for a, (src, smem) in enumerate(zip(self.srcs, self.smems)):
       plgpu.copy_gmem_to_smem(src(*coords), smem.at[slot], self.loaded.at[2 * a + slot])
 
@@ -314,9 +301,8 @@ class _Stream:
     return tuple(smem.at[slot] for smem in self.smems)
 
 
-def _store_tile(x, smem, dst, interpret):
+def _store_tile(x, smem, dst):
   plgpu = _plgpu()
-  _warpgroup_barrier(interpret)      # every warp's products that read `smem` are done
   smem[...] = x.astype(smem.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
@@ -482,11 +468,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
           functools.partial(body, g=g, dk_acc=dk_acc, dv_acc=dv_acc), c), 0)
 
     dk, dv = mm.accumulators((bk, H), 2, heads, wg)
-    _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head], interpret)
-    _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head], interpret)
+    _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
+    _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
 
   if consumers == 1:
-    stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], interpret)
+    stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
 
     def before(t, i, g, lo, hi):         # copy the next tile into the other slot
       slot = lax.rem(t, 2)
@@ -574,10 +560,10 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret, con
 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
-    _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n], interpret)
+    _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
 
   if consumers == 1:
-    stream = _Stream(srcs, [r["k_smem"], r["v_smem"]], r["loaded"], interpret)
+    stream = _Stream(srcs, [r["k_smem"], r["v_smem"]], r["loaded"])
 
     def before(t, j, hi):                # copy the next tile into the other slot
       slot = lax.rem(t, 2)
@@ -669,7 +655,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     args.insert(in_names.index("ranges"), ranges)
     body = functools.partial(kernel, opts=opts, scale=scale, group=group,
                              interpret=interpret, consumers=C, stages=slots)
-    params = compiler_params(config.semantics, config.auto_barriers)
+    params = compiler_params(config.semantics)
     if dq_rows is None:
       return plgpu.kernel(
           functools.partial(body, names=[*in_names, *out_names, *scratch]),

@@ -47,7 +47,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
 SEMANTICS = ("lane", "warpgroup")
-PING_PONG_ORDERS = ("lockstep", "products")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +78,6 @@ class MosaicConfig:
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  ping_pong_order: how two ping-ponged consumers take turns. "lockstep": each tile's
-    S product, softmax and P V of one consumer alternate with the other's (two
-    barrier phases per tile, so one consumer's softmax waits for the other's);
-    "products": only the products alternate: a consumer issues its P V (and then its
-    next S product) once the other has issued its S product, and the two softmaxes
-    may run at once (FlashAttention-3, section 3.1, figure 1).
-  named_barriers: the "products" order's turns on the hardware's named barriers
-    (`bar.sync` / `bar.arrive`, PTX ISA section 9.7.13.1) in place of shared-memory
-    mbarriers. (The lockstep's arrive-now, wait-later does not exist there: a named
-    barrier's wait is one instruction with its arrival.)
-  auto_barriers: Pallas's warpgroup barrier around every scoped accumulator and
-    shared-memory store (its default). False drops them; the kernel places the ones
-    its shared-memory reuse needs itself (around the output's store).
   """
 
   block_q: int = 64
@@ -104,9 +90,6 @@ class MosaicConfig:
   consumers: int = 2
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  ping_pong_order: str = "lockstep"
-  named_barriers: bool = False
-  auto_barriers: bool = True
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -126,12 +109,6 @@ class MosaicConfig:
     if self.ping_pong and self.consumers != 2:
       raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
                        "needs ping_pong=False")
-    if self.ping_pong_order not in PING_PONG_ORDERS:
-      raise ValueError(f"ping_pong_order={self.ping_pong_order!r} must be one of "
-                       f"{PING_PONG_ORDERS}")
-    for name in ("named_barriers", "auto_barriers"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     c, launch = self.register_split()[0], launch_registers(self.consumers)
     most = (launch * (self.consumers + 1) - MIN_REGISTERS) // self.consumers // 8 * 8
     if type(c) is not int or c % 8 or not launch <= c <= most:
@@ -286,36 +263,6 @@ def _plgpu():
   return plgpu
 
 
-# Hardware named barriers 0 (`gpu.barrier`) and 1 + warpgroup index (Mosaic GPU's
-# warpgroup barrier) are taken; the ping-pong's two come after those of the largest
-# launch here (four warpgroups).
-NAMED_BARRIER_BASE = 6
-
-
-def _named_barrier(op: str, barrier_id, threads: int):
-  """`bar.{op} barrier_id, threads` by every thread of the warpgroup ("sync": arrive
-  and wait until `threads` have arrived; "arrive": arrive only). `barrier_id` may
-  differ between warpgroups."""
-  plgpu = _plgpu()
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-  def bar(_, i):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [i.registers[()]],
-                    f"bar.{op} $0, {threads};", "r", has_side_effects=True)
-  bar(jnp.asarray(barrier_id, jnp.int32))
-
-
-def _warpgroup_barrier(interpret: bool):
-  """Every thread of this warpgroup waits for the other three warps (where Pallas's
-  automatic barriers are off, before shared memory the warps read is overwritten)."""
-  if interpret:
-    return
-  from jax.experimental.mosaic import gpu as mgpu
-  _plgpu().inline_mgpu()(lambda _: mgpu.warpgroup_barrier())()
-
-
 def _load_vector(ref, layout, interpret):
   """A 1-D slice of a GMEM ref in a register layout. The interpreter has no
   `plgpu.load`; the plain read gives the same values there."""
@@ -383,44 +330,17 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     first = item(coords_of(cta), None)
     return lax.fori_loop(1, lax.div(num_items - cta + num_ctas - 1, num_ctas), step, first)
 
-  # The ping-pong (FlashAttention-3, section 3.1). "lockstep": one barrier of both
-  # consumers' arrivals, two phases per tile (after the S product's issue, and after
-  # the softmax; the second is waited for before P V). "products": each consumer's
-  # own barrier, which the other passes once it has issued its S product; the owner
-  # waits on it before P V. Consumer 1 starts by waiting for consumer 0's first S
-  # product, and at the end of an item each passes the other the turn it waits on, so
-  # every barrier is passed as often as it is waited on within each item.
-  lockstep = config.ping_pong and config.ping_pong_order == "lockstep"
-  products = config.ping_pong and config.ping_pong_order == "products"
-  named = config.named_barriers and not interpret   # the interpreter has mbarriers only
-
   def schedule_arrive():
-    if lockstep:
+    if config.ping_pong:
       plgpu.barrier_arrive(schedule)
 
   def schedule_wait():
-    if lockstep:
+    if config.ping_pong:
       plgpu.barrier_wait(schedule)
 
   def schedule_turn():
     schedule_arrive()
     schedule_wait()
-
-  def turn_pass():      # to the other consumer: this one has issued its S product
-    if not products:
-      return
-    if named:
-      _named_barrier("arrive", NAMED_BARRIER_BASE + 1 - wg, 256)
-    else:
-      plgpu.barrier_arrive(schedule.at[1 - wg])
-
-  def turn_wait():      # for the other consumer's S product, before this one's P V
-    if not products:
-      return
-    if named:
-      _named_barrier("sync", NAMED_BARRIER_BASE + wg, 256)
-    else:
-      plgpu.barrier_wait(schedule.at[wg])
 
   def tile_range(i, b):
     ranges = r["ranges"]
@@ -489,14 +409,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         def _():
           plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
 
-        @pl.when(wg == 1)
-        def _():             # stagger: consumer 1 starts one half-step late
-          schedule_turn()
-          turn_wait()
-
-        def after_qk():      # hand the tensor cores to the other consumer
-          schedule_turn()
-          turn_pass()
+        pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
 
         def body(j, carry, masked):
           acc, m_i, l_i = carry
@@ -504,11 +417,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
           def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-            after_qk()
+            schedule_turn()              # hand the tensor cores to the other consumer
             return acc_ref[...]
           if interpret:      # the interpreter's wgmma takes no transposed operand
             s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-            after_qk()
+            schedule_turn()
           else:
             s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
           plgpu.barrier_arrive(k_consumed.at[slot])
@@ -522,7 +435,6 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           schedule_arrive()                         # softmax done
           plgpu.barrier_wait(v_loaded.at[slot])
           schedule_wait()                           # the other consumer left the tensor cores
-          turn_wait()
 
           def wait_next_k():                        # under this tile's P V product
             pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
@@ -551,10 +463,6 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
         pl.when(wg == 0)(schedule_turn)   # balance the stagger
-        if products:     # 0 releases 1's last P V; 0 then waits until 1 has taken it
-          pl.when(wg == 0)(turn_pass)
-          pl.when(wg == 1)(turn_pass)
-          pl.when(wg == 0)(turn_wait)
         return acc, m_i, l_i
 
       def overlapped(acc, m_i, l_i):
@@ -635,11 +543,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
       out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, out)
       lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
-      # Q is no longer needed: O goes there, once every warp's products that read Q
-      # are done and (persistent grid) the last item's stores of O and lse have read
-      # their shared memory (waited for by the thread that issued them).
-      _warpgroup_barrier(interpret)
-      q_smem[...] = out.astype(dtype)
+      q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
@@ -684,19 +588,17 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     lax.fori_loop(jnp.maximum(0, total - stages), total, drain, None)
 
 
-def compiler_params(semantics: str, auto_barriers: bool = True):
+def compiler_params(semantics: str):
   """approx_math: exp2 and tanh from the multi-function unit's approximations;
   `semantics` ("lane" or "warpgroup") pinned, since jax 0.11 changed the default;
   no shared-memory scratch for reductions: every reduction here is along the rows of
   a warpgroup matrix-product tile, whose elements sit in the four lanes of one quad
-  (PTX ISA, wgmma register fragments), so it needs only warp shuffles;
-  `auto_barriers` as `MosaicConfig.auto_barriers`."""
+  (PTX ISA, wgmma register fragments), so it needs only warp shuffles."""
   plgpu = _plgpu()
   semantics = {"lane": plgpu.LoweringSemantics.Lane,
                "warpgroup": plgpu.LoweringSemantics.Warpgroup}[semantics]
   return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
-                              reduction_scratch_bytes=0,
-                              unsafe_no_auto_barriers=not auto_barriers)
+                              reduction_scratch_bytes=0)
 
 
 def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
@@ -744,10 +646,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       q_loaded=plgpu.Barrier(num_barriers=C),
       k_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
       v_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
-      # The ping-pong's (unused without it): one of both consumers' arrivals
-      # ("lockstep"), or one per consumer passed by the other ("products").
-      schedule=plgpu.Barrier(num_arrivals=2) if config.ping_pong_order == "lockstep"
-      else plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      schedule=plgpu.Barrier(num_arrivals=2),        # the ping-pong pair (unused otherwise)
   )
   names = [*in_names, "out", "lse", *scratch]
   num_items = num_q_blocks * N * B
@@ -776,7 +675,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       grid_names=grid_names,
       num_threads=C + 1,
       thread_name="wg",
-      compiler_params=compiler_params(config.semantics, config.auto_barriers),
+      compiler_params=compiler_params(config.semantics),
       **extra,
   )(qp, kp, vp, ranges, *seg.values())
   return out[:, :T], lse[:, :, :T]
