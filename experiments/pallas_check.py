@@ -6,13 +6,13 @@ same-dtype implementation (`implementation="xla"`) + the test suite's floor.
 On a CPU it runs the same cases at a small size (interpret mode).
 
   python -m experiments.pallas_check                  # both presets (GPU sizes)
-  python -m experiments.pallas_check --preset model   # GQA/MQA, d 80/96/256, T = S = 3000
+  python -m experiments.pallas_check --preset model   # GQA/MQA, d 72/80/96/192/256, T = S = 3000
   python -m experiments.pallas_check --seq 256        # any backend, smaller
 
 Presets: "fa2" is the FlashAttention-2 grid (T = S = 4096, d 64/128, bf16/fp16, causal
 and not, plus two masked cases); "model" is model shapes: GQA 32/8 and MQA 16/1 at
 T = S = 1000 (32 heads of a float64 reference at 3000 would cost more than the kernels'
-check is worth), and d = 80, 96, 256 at T = S = 3000, none of them whole tiles, causal
+check is worth), and d = 72, 80, 96, 192, 256 at T = S = 3000, none of them whole tiles, causal
 and not.
 """
 from __future__ import annotations
@@ -108,12 +108,14 @@ def fa2_cases(seq, heads):
 
 def model_cases(seq, gqa_seq, heads):
   """Model shapes: GQA 32/8 and MQA 16/1 (d = 128), and head dims that are not powers
-  of two (or are 256) at lengths that are not whole tiles; causal and not."""
+  of two (80, 96, 192: two head-dim pieces each; 72: 64 + a 16-wide piece whose last
+  8 columns are masked) or are 256, at lengths that are not whole tiles; causal and
+  not."""
   cases = []
   for causal in (False, True):
     cases.append((gqa_seq, 128, jnp.bfloat16, causal, 32, 8, {}))
     cases.append((gqa_seq, 128, jnp.bfloat16, causal, 16, 1, {}))
-    for d in (80, 96, 256):
+    for d in (72, 80, 96, 192, 256):
       cases.append((seq, d, jnp.bfloat16, causal, heads, 1 if d == 96 else heads, {}))
   return cases
 

@@ -56,9 +56,9 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
     # the NaN of that row reaches the gradients of the keys it sees, not of every key.
     p = jnp.where(s == -jnp.inf, 0.0, p)
   if transposed:
-    dp = common.dot(v, do, trans_b=True, acc=acc, precision=precision)
+    dp = common.dot_heads(v, do, acc=acc, precision=precision)
   else:
-    dp = common.dot(do, v, trans_b=True, acc=acc, precision=precision)
+    dp = common.dot_heads(do, v, acc=acc, precision=precision)
   p_out = p
   if seed is not None:
     z = dropout_scale(seed, batch, head, row0, col0, s.shape, opts.dropout_rate, num_heads,
@@ -70,6 +70,11 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
   return p_out, ds, ds_logits
 
 
+def _add(acc, parts):
+  """Head-dim pieces of a running sum plus those of one tile's product."""
+  return tuple(a + b for a, b in zip(acc, parts, strict=True))
+
+
 def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num_heads, acc,
                 precision, head_blocked, fast_exp2):
   r = dict(zip(names, refs))
@@ -78,15 +83,14 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   col0 = j * block_k
   cols_in = common.tail(col0, S, block_k)          # the last key block may overrun S
-  head_in = common.tail(0, H, r["k"].shape[-1])
-  k = common.load(r["k"], cols_in, head_in)        # [bk, Hp]
-  v = common.load(r["v"], cols_in, head_in)
+  k = common.load_heads(r["k"], (slice(None),), cols_in, H)        # [bk, H] in head-dim pieces
+  v = common.load_heads(r["v"], (slice(None),), cols_in, H)
   ranges = r["ranges"]
   kv_len = ranges[5]
   kv_seg = common.load(r["kv_seg"], cols_in, other=FILL["kv_seg"]) if "kv_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
-  dk = jnp.zeros(k.shape, acc)
-  dv = jnp.zeros(v.shape, acc)
+  dk = tuple(jnp.zeros(x.shape, acc) for x in k)
+  dv = tuple(jnp.zeros(x.shape, acc) for x in v)
 
   def body(i, carry, g, masked):
     dk, dv = carry
@@ -96,8 +100,8 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
     # the query-side loads are masked on every tile when T is not whole tiles. Rows past
     # T read q = dO = delta = 0 and lse2 = +inf: P = 0 and dS = 0 there.
     rows_in = common.tail(row0, T, block_q)
-    q = common.load(r["q"].at[rows, g, :], rows_in, head_in)
-    do = common.load(r["do"].at[rows, g, :], rows_in, head_in)
+    q = common.load_heads(r["q"], (rows, g), rows_in, H)
+    do = common.load_heads(r["do"], (rows, g), rows_in, H)
 
     def dense(name):
       if name not in r:
@@ -115,8 +119,8 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
         kv_seg=kv_seg, mask_tile=dense("mask"), bias_tile=dense("bias"), seed=seed,
         batch=b, head=h * group + g, num_heads=num_heads, fast_exp2=fast_exp2,
         transposed=True)
-    dv = dv + common.dot(p_t.astype(do.dtype), do, acc=acc, precision=precision)
-    dk = dk + common.dot(ds_t.astype(q.dtype), q, acc=acc, precision=precision)
+    dv = _add(dv, common.dot_into_heads(p_t, do, acc=acc, precision=precision))
+    dk = _add(dk, common.dot_into_heads(ds_t, q, acc=acc, precision=precision))
     return dk, dv
 
   # The query heads that share this key head run as a loop of the program, not as
@@ -129,8 +133,8 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
     dk, dv = one_head(jnp.int32(0), (dk, dv))
   else:
     dk, dv = lax.fori_loop(0, group, one_head, (dk, dv))
-  common.store(r["dk"], (dk * scale).astype(r["dk"].dtype), cols_in, head_in)
-  common.store(r["dv"], dv.astype(r["dv"].dtype), cols_in, head_in)
+  common.store_heads(r["dk"], [x * scale for x in dk], cols_in, H)
+  common.store_heads(r["dv"], dv, cols_in, H)
 
 
 def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_blocks, num_heads,
@@ -139,19 +143,18 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   row0 = i * block_q
   rows_in = common.tail(row0, T, block_q)
-  head_in = common.tail(0, H, r["q"].shape[-1])
-  q = common.load(r["q"], rows_in, head_in)
-  do = common.load(r["do"], rows_in, head_in)
+  q = common.load_heads(r["q"], (slice(None),), rows_in, H)
+  do = common.load_heads(r["do"], (slice(None),), rows_in, H)
   lse2 = common.load(r["lse2"], rows_in, other=jnp.inf)
   delta = common.load(r["delta"], rows_in)
   ranges = r["ranges"]
   lo, hi, kv_len = ranges[0], ranges[3], ranges[5]
   q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
-  dq = jnp.zeros(q.shape, acc)
+  dq = tuple(jnp.zeros(x.shape, acc) for x in q)
 
   def body(j, dq, masked):
-    t = key_tile(r, j, block_k=block_k, S=S, rows_in=rows_in, head_in=head_in, masked=masked)
+    t = key_tile(r, j, block_k=block_k, S=S, H=H, rows_in=rows_in, masked=masked)
     _, ds, ds_logits = _tile_grads(
         q, t.k, t.v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
         row0=row0, col0=t.col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=t.kv_seg,
@@ -159,7 +162,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
         num_heads=num_heads, fast_exp2=fast_exp2)
     if "dbias" in r:
       common.store(r["dbias"].at[:, t.cols], ds.astype(r["dbias"].dtype), rows_in, t.cols_in)
-    return dq + common.dot(ds_logits.astype(t.k.dtype), t.k, acc=acc, precision=precision)
+    return _add(dq, common.dot_into_heads(ds_logits, t.k, acc=acc, precision=precision))
 
   if "dbias" in r:  # tiles never visited have a zero bias gradient
     def zero(j, _):
@@ -171,7 +174,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
     lax.fori_loop(0, lo, zero, 0)
     lax.fori_loop(hi, num_k_blocks, zero, 0)
   dq = visit_tiles(ranges, body, dq)
-  common.store(r["dq"], (dq * scale).astype(r["dq"].dtype), rows_in, head_in)
+  common.store_heads(r["dq"], [x * scale for x in dq], rows_in, H)
 
 
 def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
@@ -202,12 +205,26 @@ def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
 # programs per multiprocessor leaves room for causal programs of unequal length to even
 # out. Override with JFLASH_DKV_SPLITS (1 = never split).
 DKV_MIN_PROGRAMS = 3 * 132
+# Causal groups up to this size are split into one query head per program whatever the
+# program count. On the H200 (fwd+bwd TF/s, bf16, one process each;
+# experiments/results/gqa_split_h200.json and gqa_split2_h200.json): GQA 32/8 8K causal
+# d = 128 (2048 programs unsplit) 373.3 -> 412.2 and 375.2 -> 410.8 (+10%), GQA 16/4
+# 4K causal d = 64 311.9 -> 316.7; not causal, GQA 32/8 8K 434.1 -> 437.2 (level, so
+# not taken). A causal dK/dV program's work falls with its key block's distance from
+# the end, and with the group's heads in one program the heaviest are `group` times
+# longer. The partial sums cost float32 dK and dV per query head, B x S x N x H x 8
+# bytes (512 MiB at GQA 32/8 8K, batch 2; cuDNN's temporaries there were 644 MiB,
+# bench_model_h200.json); MQA 16/1 16K causal split 16 ways instead of 2 gained 1.8%
+# (430.4 -> 438.2) for 8 times the partials, so larger groups keep the program rule.
+CAUSAL_FULL_SPLIT_MAX_GROUP = 4
 
 
-def dkv_splits(group: int, programs: int, interpret: bool) -> int:
+def dkv_splits(group: int, programs: int, interpret: bool, causal: bool = False) -> int:
   """Parts each GQA group is split into over dK/dV programs (FlashAttention-2 sums
   per-head dK/dV; here a part sums its heads in registers and the parts are added in
-  float32 afterwards): the fewest that reach DKV_MIN_PROGRAMS, dividing the group."""
+  float32 afterwards): one per head for causal groups of up to
+  CAUSAL_FULL_SPLIT_MAX_GROUP heads, else the fewest that reach DKV_MIN_PROGRAMS,
+  dividing the group."""
   forced = os.environ.get("JFLASH_DKV_SPLITS")
   if forced:
     if not forced.isdigit() or int(forced) < 1:
@@ -216,6 +233,8 @@ def dkv_splits(group: int, programs: int, interpret: bool) -> int:
     return math.gcd(int(forced), group)
   if interpret:
     return 1
+  if causal and group <= CAUSAL_FULL_SPLIT_MAX_GROUP:
+    return group
   for p in range(1, group + 1):
     if group % p == 0 and programs * p >= DKV_MIN_PROGRAMS:
       return p
@@ -266,7 +285,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq = common.fit_block(blocks.block_q_dkv, T)
   bk = common.fit_block(blocks.block_k_dkv, S)
   Tp, Sp = common.round_up(T, bq), common.round_up(S, bk)
-  P = dkv_splits(G, Sp // bk * B * K, interp) if dkv_split is None else dkv_split
+  P = dkv_splits(G, Sp // bk * B * K, interp, opts.is_causal) if dkv_split is None else dkv_split
   if not isinstance(P, int) or P < 1 or G % P:
     raise ValueError(f"dkv_split={P!r} must be a positive divisor of the group size {G} "
                      f"(= {N} // {K})")

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jax.experimental.pallas import triton as plgpu
 
@@ -77,7 +78,7 @@ def in_bounds(shape, bounds):
   """Which elements of a tile lie inside the array, or None when all of them do.
 
   `bounds[a]` is None where axis `a` of the tile never overruns the array (a static
-  fact: lengths that are whole tiles, head dims that are powers of two), else
+  fact: lengths that are whole tiles, head-dim pieces that end inside the head dim), else
   (index of the tile's first element along that axis, the array's length).
   """
   mask = None
@@ -112,6 +113,58 @@ def store(ref, value, *bounds):
     ref[...] = value
   else:
     plgpu.store(ref, value, mask=mask)
+
+
+def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+  """(offset, width) of the column blocks a head dim is split into: its binary digits
+  from the largest, each a power of two as Triton's tiles must be, the last widened to
+  16 (the smallest tl.dot operand) where it is smaller. 96 -> (0, 64), (64, 32);
+  80 -> (0, 64), (64, 16); 72 -> (0, 64), (64, 16) (the last 8 columns masked);
+  128 -> (0, 128). Every product over the head dim is one product per piece, so a head
+  dim costs the tensor cores its own width, not the next power of two's (96 in one
+  128-wide tile would spend a third more on zeros)."""
+  pieces, offset = [], 0
+  for bit in reversed(range(head_dim.bit_length())):
+    width = 1 << bit
+    if head_dim & width:
+      pieces.append((offset, max(width, 16)))
+      offset += width
+      if width < 16:       # the widened piece covers the digits below it
+        break
+  return tuple(pieces)
+
+
+def load_heads(ref, lead, rows, head_dim: int):
+  """The pieces (`head_pieces`) of the [rows, head dim] tile ref[*lead, :], where `lead`
+  indexes every axis of `ref` but the last (the head dim) and leaves one of rows;
+  `rows` is the tile's `bounds` entry along it. (One indexer per load: Pallas's Triton
+  lowering takes no view of a view.)"""
+  return tuple(load(ref.at[(*lead, pl.ds(off, w))], rows,
+                    None if off + w <= head_dim else (off, head_dim))
+               for off, w in head_pieces(head_dim))
+
+
+def store_heads(ref, pieces, rows, head_dim: int):
+  """ref[:, :] = the [rows, head dim] tile whose head-dim pieces are `pieces`, inside
+  the array only."""
+  for (off, w), x in zip(head_pieces(head_dim), pieces):
+    store(ref.at[:, pl.ds(off, w)], x.astype(ref.dtype), rows,
+          None if off + w <= head_dim else (off, head_dim))
+
+
+def dot_heads(a, b, *, acc=jnp.float32, precision=None):
+  """a b^T contracted over the head dim, for tiles given as head-dim pieces: one
+  product per piece, summed in float32."""
+  out = None
+  for x, y in zip(a, b, strict=True):
+    part = dot(x, y, trans_b=True, acc=acc, precision=precision)
+    out = part if out is None else out + part
+  return out
+
+
+def dot_into_heads(p, b, *, acc=jnp.float32, precision=None):
+  """p b for b given as head-dim pieces: the pieces of the [rows, head dim] product."""
+  return tuple(dot(p.astype(x.dtype), x, acc=acc, precision=precision) for x in b)
 
 
 def tail(start, length: int, block: int):

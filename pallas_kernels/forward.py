@@ -32,19 +32,18 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
   i, b, n = q_order(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
   row0 = i * block_q
   rows_in = common.tail(row0, T, block_q)          # the last query block may overrun T
-  head_in = common.tail(0, H, r["q"].shape[-1])    # head dims padded to a power of two
-  q = common.load(r["q"], rows_in, head_in)        # [bq, Hp], stays resident
+  q = common.load_heads(r["q"], (slice(None),), rows_in, H)        # [bq, H] in head-dim pieces, resident
   ranges = r["ranges"]
   q_len, kv_len = ranges[4], ranges[5]
   q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   m_i = jnp.full((block_q,), -jnp.inf, acc)
   l_i = jnp.zeros((block_q,), acc)
-  o = jnp.zeros(q.shape, acc)
+  o = tuple(jnp.zeros(x.shape, acc) for x in q)
 
   def body(j, carry, masked):
     o, m_i, l_i = carry
-    t = key_tile(r, j, block_k=block_k, S=S, rows_in=rows_in, head_in=head_in, masked=masked)
+    t = key_tile(r, j, block_k=block_k, S=S, H=H, rows_in=rows_in, masked=masked)
     k, v, col0 = t.k, t.v, t.col0
     s, _, c = tile_scores(
         q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
@@ -59,7 +58,8 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
     l_i = alpha * l_i + jnp.sum(p, axis=1)   # the normaliser counts every visible key...
     if seed is not None:                     # ...only kept ones reach the output
       p = p * dropout_scale(seed, b, n, row0, col0, s.shape, opts.dropout_rate, num_heads)
-    o = alpha[:, None] * o + common.dot(p.astype(v.dtype), v, acc=acc, precision=precision)
+    pv = common.dot_into_heads(p, v, acc=acc, precision=precision)
+    o = tuple(alpha[:, None] * o_h + pv_h for o_h, pv_h in zip(o, pv))
     return o, m_new, l_i
 
   o, m_i, l_i = visit_tiles(ranges, body, (o, m_i, l_i))
@@ -72,8 +72,8 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
   has = (l_i != 0) & (rows < q_len)
   l_safe = jnp.where(has, l_i, 1.0)
-  common.store(r["out"], jnp.where(has[:, None], o / l_safe[:, None], 0.0).astype(r["out"].dtype),
-               rows_in, head_in)
+  common.store_heads(r["out"], [jnp.where(has[:, None], o_h / l_safe[:, None], 0.0) for o_h in o],
+                     rows_in, H)
   common.store(r["lse"], jnp.where(has, (m_i + jnp.log2(l_safe)) * common.LN2,
                                    -jnp.inf).astype(r["lse"].dtype), rows_in)
 
@@ -82,22 +82,22 @@ class KeyTile(NamedTuple):
   col0: jax.Array          # first key of the tile
   cols: pl.Slice           # the tile's keys
   cols_in: jax.Array | None  # which of them exist (None: all, the tile ends inside S)
-  k: jax.Array
-  v: jax.Array
+  k: tuple[jax.Array, ...]  # head-dim pieces (common.head_pieces)
+  v: tuple[jax.Array, ...]
   kv_seg: jax.Array | None
   mask: jax.Array | None   # [bq, bk] of the dense mask, or None
   bias: jax.Array | None
 
 
-def key_tile(r, j, *, block_k, S, rows_in, head_in, masked) -> KeyTile:
+def key_tile(r, j, *, block_k, S, H, rows_in, masked) -> KeyTile:
   """Key tile j of a kernel whose program owns one query tile (the forward, dQ): K, V
   and the per-key and per-element mask operands. Only masked tiles can hold the key
   tail (a FULL tile ends inside S), so only their loads are masked."""
   col0 = j * block_k
   cols = pl.ds(col0, block_k)
   cols_in = common.tail(col0, S, block_k) if masked else None
-  k = common.load(r["k"].at[cols, :], cols_in, head_in)
-  v = common.load(r["v"].at[cols, :], cols_in, head_in)
+  k = common.load_heads(r["k"], (cols,), cols_in, H)
+  v = common.load_heads(r["v"], (cols,), cols_in, H)
   kv_seg = (common.load(r["kv_seg"].at[cols], cols_in, other=FILL["kv_seg"])
             if "kv_seg" in r else None)
   dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
@@ -141,7 +141,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   """q [B, T, N, H], k/v [B, S, K, H] -> out [B, T, N, H], lse [B, N, T] (natural log).
 
   No input is copied: blocks are whole power-of-two tiles laid over the arrays as they
-  are, and the loads and stores of tiles that overrun T, S or H are masked.
+  are, and the loads and stores of tiles that overrun T, S or H are masked. A head dim
+  that is not a power of two is split into power-of-two pieces (`common.head_pieces`),
+  one matrix product each.
   """
   opts = opts or MaskOptions(is_causal=bool(is_causal))
   ops = ops or MaskOperands()

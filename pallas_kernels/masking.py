@@ -240,11 +240,12 @@ def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, m
   The tile is [bq, bk], or [bk, bq] with `transposed` (the dK/dV kernel, which then
   feeds P^T and dS^T to its matmuls without transposing a register tile). `mask_tile`
   and `bias_tile` are always [bq, bk]. `masked` is static: FULL tiles skip the
-  element-wise structured rules entirely.
+  element-wise structured rules entirely. `q` and `k` are given as head-dim pieces
+  (`common.head_pieces`).
   """
-  from pallas_kernels.common import LOG2E, dot
-  s = dot(k, q, trans_b=True, acc=acc, precision=precision) if transposed else \
-      dot(q, k, trans_b=True, acc=acc, precision=precision)
+  from pallas_kernels.common import LOG2E, dot_heads
+  s = dot_heads(k, q, acc=acc, precision=precision) if transposed else \
+      dot_heads(q, k, acc=acc, precision=precision)
   qa, ka = (1, 0) if transposed else (0, 1)   # the tile's query axis and key axis
   tr = (lambda x: x.T) if transposed else (lambda x: x)
   c = scale * LOG2E

@@ -48,8 +48,9 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per head_dim (a head dim missing here takes the row of its padded tile width:
-# 80 and 96 run 128-wide tiles, 160 and 192 run 256-wide ones). Each kernel's row is
+# Defaults per head_dim (a head dim missing here takes the row of its padded width: 80
+# and 96 the d = 128 row, 160 and 192 the d = 256 one; their products run on
+# power-of-two pieces of the head dim, `common.head_pieces`). Each kernel's row is
 # (rows of Q, rows of K/V, num_warps, num_stages). Notes for every row in
 # experiments/results/tuning_notes.md.
 # d = 64 and 128: the per-kernel block sweep on one H200
@@ -75,8 +76,9 @@ KERNELS = ("fwd", "dkv", "dq")
 
 
 def padded_head_dim(head_dim: int) -> int:
-  """Head dim rounded up to a power of two >= 16: the width of a Triton tile (the arrays
-  keep their own head dim; the kernels mask the extra columns)."""
+  """Head dim rounded up to a power of two >= 16: the width of a kernel's block over the
+  arrays (which keep their own head dim; the kernels load and multiply only the pieces
+  of `common.head_pieces` inside it)."""
   return max(16, 1 << (head_dim - 1).bit_length())
 
 

@@ -36,11 +36,62 @@ def _kernel_sizes(N, K, T=16384, H=128):
           for e in jaxpr.eqns if e.primitive.name == "pallas_call"}
 
 
-def test_dkv_kernel_size_does_not_grow_with_the_group():
+def test_dkv_kernel_size_does_not_grow_with_the_group(monkeypatch):
   # Compile time follows the size of the kernel Triton is given: the query heads of a
-  # group must be a loop of the program, not copies of its body.
+  # group must be a loop of the program, not copies of its body. (Whole groups per
+  # program: causal groups of four would otherwise run one head per program.)
+  monkeypatch.setenv("JFLASH_DKV_SPLITS", "1")
   mha, gqa, mqa = (_kernel_sizes(16, K)["jflash_bwd_dkv"] for K in (16, 4, 1))
   assert gqa <= 1.5 * mha and mqa <= 1.5 * mha, (mha, gqa, mqa)
+
+
+@pytest.mark.parametrize("H, pieces", [
+    (128, [(0, 128)]), (96, [(0, 64), (64, 32)]), (80, [(0, 64), (64, 16)]),
+    (192, [(0, 128), (128, 64)]), (72, [(0, 64), (64, 16)]),
+    (59, [(0, 32), (32, 16), (48, 16)]), (8, [(0, 16)])])
+def test_head_pieces_are_the_binary_digits_of_the_head_dim(H, pieces):
+  from pallas_kernels.common import head_pieces
+  assert list(head_pieces(H)) == pieces
+
+
+def _dot_macs(jaxpr) -> int:
+  """Multiply-adds of every dot_general in a jaxpr and its nested jaxprs."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+      lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+      n += int(np.prod(out)) * int(np.prod([lhs[d] for d in lhs_contract]))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+          n += _dot_macs(sub.jaxpr)
+        elif hasattr(sub, "eqns"):
+          n += _dot_macs(sub)
+  return n
+
+
+def _kernel_macs(H, T=512):
+  """{pallas_call name: multiply-adds of one pass of its body} of forward and backward."""
+  q = jax.ShapeDtypeStruct((1, T, 2, H), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 2, T), jnp.float32)
+
+  def fwd_bwd(q, k, v, o, lse, do):
+    fwd = flash_forward(q, k, v, scale=0.1, interpret=False)
+    return fwd, flash_backward(q, k, v, o, lse, do, scale=0.1, interpret=False)
+  jaxpr = jax.make_jaxpr(fwd_bwd)(q, q, q, q, lse, q).jaxpr
+  return {e.params["name"]: _dot_macs(e.params["jaxpr"])
+          for e in jaxpr.eqns if e.primitive.name == "pallas_call"}
+
+
+@pytest.mark.parametrize("H", [96, 80])
+def test_tensor_core_work_follows_the_head_dim_not_its_padded_width(H):
+  # 80 and 96 run the d = 128 tiles; split into power-of-two pieces, each tile's
+  # products cost H / 128 of the 128-wide tile's, in every kernel.
+  wide, narrow = _kernel_macs(128), _kernel_macs(H)
+  assert wide.keys() == narrow.keys() and len(wide) == 3, (wide, narrow)
+  for name in wide:
+    assert narrow[name] * 128 == wide[name] * H, (name, narrow[name], wide[name])
 
 
 def _pallas_operands(B=1, T=97, S=113, N=4, K=2, H=80):
@@ -140,3 +191,38 @@ def test_split_group_matches_the_reference_like_the_whole_group():
       assert err <= 2 * err1 + 4 * eps * np.sqrt(H) * max(1.0, np.abs(t).max()), (p, name)
   with pytest.raises(ValueError, match="dkv_split=3"):
     flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, interpret=True, dkv_split=3)
+
+
+def test_split_rule(monkeypatch):
+  # Compiled (interpret=False): causal groups of up to four heads run one head per
+  # program; larger groups and non-causal calls split only to reach the program count.
+  from pallas_kernels.backward import CAUSAL_FULL_SPLIT_MAX_GROUP, DKV_MIN_PROGRAMS, dkv_splits
+  monkeypatch.delenv("JFLASH_DKV_SPLITS", raising=False)
+  many = DKV_MIN_PROGRAMS
+  assert CAUSAL_FULL_SPLIT_MAX_GROUP == 4
+  assert dkv_splits(4, many, False, causal=True) == 4
+  assert dkv_splits(2, many, False, causal=True) == 2
+  assert dkv_splits(4, many, False, causal=False) == 1
+  assert dkv_splits(16, many // 4, False, causal=True) == 4      # the program rule
+  assert dkv_splits(16, many // 4, False, causal=False) == 4
+  assert dkv_splits(4, many, True, causal=True) == 1             # interpreted: whole groups
+  monkeypatch.setenv("JFLASH_DKV_SPLITS", "1")
+  assert dkv_splits(4, many, False, causal=True) == 1
+
+
+@pytest.mark.parametrize("causal, parts", [(True, 4), (False, 1)])
+def test_causal_calls_reach_the_split_rule(monkeypatch, causal, parts):
+  # GQA-4, batch 8 x 2048 keys x 2 key heads: 512 dK/dV programs unsplit (enough), so
+  # only the causal rule splits; the split kernel writes one float32 partial per part.
+  monkeypatch.delenv("JFLASH_DKV_SPLITS", raising=False)
+  B, T, N, K, H = 8, 2048, 8, 2, 64
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
+  bwd = lambda q, k, v, o, lse, do: flash_backward(q, k, v, o, lse, do, scale=0.1,
+                                                   is_causal=causal, interpret=False)
+  jaxpr = jax.make_jaxpr(bwd)(q, k, k, q, lse, q).jaxpr
+  dkv = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"
+         and e.params["name"] == "jflash_bwd_dkv"][0]
+  shapes = {tuple(v.aval.shape) for v in dkv.outvars}
+  assert shapes == ({(parts, B, T, K, H)} if parts > 1 else {(B, T, K, H)}), shapes
