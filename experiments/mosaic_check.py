@@ -276,9 +276,6 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
           row.setdefault("same_config_as", {})[label] = same[0]
         else:
           configs[label] = config
-      for label, config in configs.items():
-        fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
-            q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       if sweep:
         for config in sweep_configs(H):
           label = (f"{IMPL} {config.block_q}/{config.block_k}x{config.stages}" + ("" if config.pv_in_place else
@@ -290,8 +287,10 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
                    + (f" regs{config.consumer_registers}" if config.consumer_registers else ""))
           if variants and not any(v in label for v in variants):
             continue
-          fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
-              q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
+          configs[label] = config
+      for label, config in configs.items():
+        fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
+            q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
       ref = None
       for impl, fn in fns.items():
         args = (q, k, v) if "fp16" not in impl else tuple(x.astype(jnp.float16) for x in (q, k, v))

@@ -134,13 +134,17 @@ def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
   return tuple(pieces)
 
 
+def _piece_bound(off: int, width: int, head_dim: int):
+  """A `bounds` entry of one head-dim piece: None when it ends inside the head dim."""
+  return None if off + width <= head_dim else (off, head_dim)
+
+
 def load_heads(ref, lead, rows, head_dim: int):
   """The pieces (`head_pieces`) of the [rows, head dim] tile ref[*lead, :], where `lead`
   indexes every axis of `ref` but the last (the head dim) and leaves one of rows;
   `rows` is the tile's `bounds` entry along it. (One indexer per load: Pallas's Triton
   lowering takes no view of a view.)"""
-  return tuple(load(ref.at[(*lead, pl.ds(off, w))], rows,
-                    None if off + w <= head_dim else (off, head_dim))
+  return tuple(load(ref.at[(*lead, pl.ds(off, w))], rows, _piece_bound(off, w, head_dim))
                for off, w in head_pieces(head_dim))
 
 
@@ -148,8 +152,7 @@ def store_heads(ref, pieces, rows, head_dim: int):
   """ref[:, :] = the [rows, head dim] tile whose head-dim pieces are `pieces`, inside
   the array only."""
   for (off, w), x in zip(head_pieces(head_dim), pieces):
-    store(ref.at[:, pl.ds(off, w)], x.astype(ref.dtype), rows,
-          None if off + w <= head_dim else (off, head_dim))
+    store(ref.at[:, pl.ds(off, w)], x.astype(ref.dtype), rows, _piece_bound(off, w, head_dim))
 
 
 def dot_heads(a, b, *, acc=jnp.float32, precision=None):

@@ -10,18 +10,20 @@ from pallas_kernels.forward import flash_forward
 from pallas_kernels.masking import MaskOperands
 
 
-def _count_eqns(jaxpr) -> int:
-  """Equations of a jaxpr, counting those of every nested jaxpr (loop bodies, conds)."""
-  n = 0
+def _eqns(jaxpr):
+  """The equations of a jaxpr and of every jaxpr nested in it (loop bodies, conds)."""
   for eqn in jaxpr.eqns:
-    n += 1
+    yield eqn
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):   # ClosedJaxpr
-          n += _count_eqns(sub.jaxpr)
+          yield from _eqns(sub.jaxpr)
         elif hasattr(sub, "eqns"):                              # Jaxpr
-          n += _count_eqns(sub)
-  return n
+          yield from _eqns(sub)
+
+
+def _count_eqns(jaxpr) -> int:
+  return sum(1 for _ in _eqns(jaxpr))
 
 
 def _kernel_sizes(N, K, T=16384, H=128):
@@ -57,17 +59,11 @@ def test_head_pieces_are_the_binary_digits_of_the_head_dim(H, pieces):
 def _dot_macs(jaxpr) -> int:
   """Multiply-adds of every dot_general in a jaxpr and its nested jaxprs."""
   n = 0
-  for eqn in jaxpr.eqns:
+  for eqn in _eqns(jaxpr):
     if eqn.primitive.name == "dot_general":
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
       lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
       n += int(np.prod(out)) * int(np.prod([lhs[d] for d in lhs_contract]))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
-          n += _dot_macs(sub.jaxpr)
-        elif hasattr(sub, "eqns"):
-          n += _dot_macs(sub)
   return n
 
 
