@@ -133,11 +133,20 @@ def run_grid(args):
 def run_block_sweep(args):
   impl = jflash_impls(args)[0]
   peers = peers_mod.make_peers([impl], args.xla_max_seq, smoke=args.cpu_smoke)
-  shapes = (specs.SMOKE_SWEEP_SHAPES if args.cpu_smoke else
-            {d: specs.SWEEP_SHAPES[d] for d in (args.head_dims or specs.HEAD_DIMS)})
-  causals = (False,) if args.cpu_smoke else (False, True)  # smoke: machinery only
-  rows, best = sweep.run_sweep(make_runner(args, peers), impl, shapes, causals,
-                               args.sweep_passes, args.sweep_budget_s, smoke=args.cpu_smoke)
+  if args.cpu_smoke:   # the machinery only
+    shapes = specs.SMOKE_SWEEP_SHAPES
+    cases = [specs.Case(s, d, False, 2, 2, name="sweep smoke") for d, s in shapes.items()]
+  else:
+    head_dims = args.head_dims or specs.HEAD_DIMS
+    unknown = [d for d in head_dims if d not in specs.SWEEP_SHAPES]
+    if unknown:
+      raise ValueError(f"--head-dims {unknown}: the sweep has shapes for "
+                       f"{sorted(specs.SWEEP_SHAPES)}")
+    shapes = {d: specs.SWEEP_SHAPES[d] for d in head_dims}
+    cases = [specs.sweep_case(s, d, c) for d, s in shapes.items()
+             for c in specs.SWEEP_CAUSALS.get(d, (False, True))]
+  rows, best = sweep.run_sweep(make_runner(args, peers), impl, cases, args.sweep_passes,
+                               args.sweep_budget_s, smoke=args.cpu_smoke)
   sweep.print_best(best)
   name = args.name or ("bench_attention_block_sweep_"
                        + ("cpu_smoke" if args.cpu_smoke else common.device_tag()))

@@ -6,7 +6,7 @@ same-dtype implementation (`implementation="xla"`) + the test suite's floor.
 On a CPU it runs the same cases at a small size (interpret mode).
 
   python -m experiments.pallas_check                  # both presets (GPU sizes)
-  python -m experiments.pallas_check --preset model   # GQA/MQA, d 72/80/96/192/256, T = S = 3000
+  python -m experiments.pallas_check --preset model   # GQA/MQA, d 72/80/96/160/192/256, T = S = 3000
   python -m experiments.pallas_check --seq 256        # any backend, smaller
 
 Presets: "fa2" is the FlashAttention-2 grid (T = S = 4096, d 64/128, bf16/fp16, causal
@@ -108,14 +108,14 @@ def fa2_cases(seq, heads):
 
 def model_cases(seq, gqa_seq, heads):
   """Model shapes: GQA 32/8 and MQA 16/1 (d = 128), and head dims that are not powers
-  of two (80, 96, 192: two head-dim pieces each; 72: 64 + a 16-wide piece whose last
-  8 columns are masked) or are 256, at lengths that are not whole tiles; causal and
-  not."""
+  of two (80, 96, 160, 192: two head-dim pieces each; 72: 64 + a 16-wide piece whose
+  last 8 columns are masked) or are 256, at lengths that are not whole tiles; causal
+  and not."""
   cases = []
   for causal in (False, True):
     cases.append((gqa_seq, 128, jnp.bfloat16, causal, 32, 8, {}))
     cases.append((gqa_seq, 128, jnp.bfloat16, causal, 16, 1, {}))
-    for d in (72, 80, 96, 192, 256):
+    for d in (72, 80, 96, 160, 192, 256):
       cases.append((seq, d, jnp.bfloat16, causal, heads, 1 if d == 96 else heads, {}))
   return cases
 
@@ -130,6 +130,8 @@ def main(argv=None):
   p.add_argument("--gqa-seq", type=int, default=None,
                  help="T = S of the GQA/MQA cases (GPU default 1000; CPU: --seq)")
   p.add_argument("--heads", type=int, default=2, help="few heads keep the float64 reference cheap")
+  p.add_argument("--head-dims", type=int, nargs="+", default=None,
+                 help="only the cases of these head dims")
   p.add_argument("--out-dir", default=None, help="where the JSON goes (default experiments/results)")
   p.add_argument("--name", default=f"pallas_check_{'h200' if gpu else 'cpu'}")
   args = p.parse_args(argv)
@@ -140,6 +142,8 @@ def main(argv=None):
   if args.preset in ("model", "all"):
     seq = args.seq or small or 3000
     cases += model_cases(seq, args.gqa_seq or (args.seq or small or 1000), args.heads)
+  if args.head_dims:
+    cases = [c for c in cases if c[1] in args.head_dims]
   rows = []
   for seq, head_dim, dtype, causal, heads, kv_heads, extra in cases:
     rows.append(check(seq, head_dim, dtype, causal, heads, extra, kv_heads))

@@ -48,9 +48,9 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per head_dim (a head dim missing here takes the row of its padded width: 80
-# and 96 the d = 128 row, 160 and 192 the d = 256 one; their products run on
-# power-of-two pieces of the head dim, `common.head_pieces`). Each kernel's row is
+# Defaults per head_dim (a head dim missing here takes the row of its padded width: 72
+# the d = 128 row, 160 and 192 the d = 256 one; products over a head dim that is not a
+# power of two run on power-of-two pieces of it, `common.head_pieces`). Each kernel's row is
 # (rows of Q, rows of K/V, num_warps, num_stages). Notes for every row in
 # experiments/results/tuning_notes.md.
 # d = 64 and 128: the per-kernel block sweep on one H200
@@ -58,19 +58,37 @@ class BlockSizes:
 # dK/dV kernel prefers square 64 x 64 tiles with 4 warps: its tile holds P^T, dP^T and
 # dS^T at once, and wider key tiles spill at d=128 (32 x 128 ran at under half the
 # speed). The forward and dQ kernels keep one query tile resident and take 128 rows with
-# 8 warps at d=128. The d=128 row also won the sweep at d=96 (B=4, T=S=4096, 16 heads;
-# experiments/results/pallas_model_shapes_h200.json), so 80/96 keep it.
+# 8 warps at d=128.
+# d = 80 and 96, which run as pieces 64 + 16 and 64 + 32: the sweep on the H200 at the
+# model cells (B=4, T=S=4096, 16 heads; experiments/results/block_sweep_d80_d96_h200.json,
+# against the d = 128 row they took before): forward 128 x 64 / 4 warps 1.14x and 1.19x
+# d = 128's 128 x 128, dK/dV 64 x 64 in 3 stages 1.09x and 1.08x, dQ 128 x 32 / 4 warps
+# 1.09x at both. Where the two head dims' best differed
+# (d = 80 dK/dV 32 x 128: 277.8 against 274.4 TF/s; d = 96 forward 8 warps: 421.7
+# against 419.9) the difference was within a run's spread and the shared row is kept.
 # d = 256: the sweep in pallas_model_shapes_h200.json (B=4, T=S=4096, 8 heads, causal):
 # 128 x 64 / 8 warps forward (1.57x the 64 x 64 it replaces), dK/dV 64 x 32 / 4 warps
-# and dQ 128 x 32 / 8 warps (1.16x and 1.25x the 32 x 32 tiles). The same tiles took
-# d = 192 from 110 to 168 TF/s fwd+bwd. Why 32-row key tiles win at 256 was not profiled.
+# and dQ 128 x 32 / 8 warps (1.16x and 1.25x the 32 x 32 tiles); then
+# block_sweep_d256_h200.json: dQ in 3 stages, 1.11x (1.08x causal) the 2 it had; no dK/dV
+# candidate beat 64 x 32 / 4 warps / 2 stages (64 x 64 / 8 warps 0.87x, 3 stages 0.84x).
+# Why 32-row key tiles win at 256 was not profiled.
+# d = 160 and 192 (pieces 128 + 32 and 128 + 64), which took the d = 256 row before: the
+# sweep at d192 4K (16 heads) and a 12-head d160 4K cell, not causal
+# (block_sweep_d160_d192_h200.json): forward 128 x 64 / 8 warps in 3 stages 1.23x and
+# 1.32x the 2 stages of d = 256, dK/dV 32 x 64 / 4 warps 1.28x and 2.43x d = 256's 64 x
+# 32 (at d = 256 itself 32 x 64 ran at 0.37x); dQ stays d = 256's (no candidate ahead
+# at d = 192; at d = 160 the dQ pass was dominated by the slow dK/dV default).
 # head_dim 16/32 follow 64 (not swept).
 _TABLE = {  # head_dim: {kernel: (block_q, block_k, num_warps, num_stages)}
     16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     64: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
+    80: dict(fwd=(128, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(128, 32, 4, 3)),
+    96: dict(fwd=(128, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(128, 32, 4, 3)),
     128: dict(fwd=(128, 128, 8, 3), dkv=(64, 64, 4, 2), dq=(128, 64, 8, 3)),
-    256: dict(fwd=(128, 64, 8, 2), dkv=(64, 32, 4, 2), dq=(128, 32, 8, 2)),
+    160: dict(fwd=(128, 64, 8, 3), dkv=(32, 64, 4, 2), dq=(128, 32, 8, 3)),
+    192: dict(fwd=(128, 64, 8, 3), dkv=(32, 64, 4, 2), dq=(128, 32, 8, 3)),
+    256: dict(fwd=(128, 64, 8, 2), dkv=(64, 32, 4, 2), dq=(128, 32, 8, 3)),
 }
 KERNELS = ("fwd", "dkv", "dq")
 

@@ -84,6 +84,7 @@ GRIDS = {
     "full": FA2_FULL,
     "d256": D256,
     "model": MODEL,
+    "tails": (T3000, T3072),   # the model preset's ragged pair alone
     # CPU smoke: compile time is the cost there, so two tiny cases (MHA, GQA).
     "smoke": (Case(128, 32, True, 2, 2, name="smoke"),
               Case(128, 32, False, 1, 4, 2, name="smoke GQA 4/2")),
@@ -189,7 +190,12 @@ TARGETS = (
 MEMORY_TARGET = (32768, 1.1)
 
 # -- block sweep -------------------------------------------------------------------------
-SWEEP_SHAPES = {128: 16384, 64: 4096}   # head_dim -> seq: the FA-2 grid's long cells
+# head_dim -> seq: the FA-2 grid's long cells at 64 and 128, the model shapes' cells
+# (MODEL, D256) at the others; `sweep_case` picks the case.
+SWEEP_SHAPES = {128: 16384, 64: 4096, 256: 4096, 96: 4096, 80: 4096, 192: 4096, 160: 4096}
+# Masks swept per head_dim where not both: the model cells of d 80/96/192 are not causal
+# (and d = 160, a FA-2-style cell of 12 heads, follows them).
+SWEEP_CAUSALS = {80: (False,), 96: (False,), 192: (False,), 160: (False,)}
 SWEEP_BUDGET_S = 160                    # split evenly over (d, causal, pass)
 SWEEP_PASSES = ("fwd", "dkv", "dq")
 # Which Pallas tile fields each pass sets: (rows of Q, rows of K/V, warps, stages).
@@ -216,5 +222,43 @@ SWEEP_CANDIDATES = {
         128: ((128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3),
               (128, 64, 4, 2))},
 }
+SWEEP_CANDIDATES["fwd"][256] = ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 8, 2),
+                                (64, 32, 4, 3), (128, 64, 8, 1))
+# dK/dV: the last five ran slower than 64 x 32 / 4 warps / 2 stages
+# (block_sweep_d256_h200.json).
+SWEEP_CANDIDATES["dkv"][256] = ((128, 32, 8, 2), (64, 32, 4, 1), (32, 64, 8, 2), (64, 64, 8, 1),
+                                (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3),
+                                (32, 32, 4, 2))
+SWEEP_CANDIDATES["dq"][256] = ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 3),
+                               (64, 64, 8, 2), (128, 32, 8, 1), (64, 32, 4, 3))
+# Head dims that run as pieces (80 = 64 + 16, 96 = 64 + 32) start from d = 128's
+# candidates, with the d = 64 row's smaller tiles first.
+for _pass, _extra in (("fwd", ((128, 64, 4, 3), (64, 64, 4, 3))), ("dkv", ((64, 64, 4, 3),)),
+                      ("dq", ((64, 64, 4, 3),))):
+  for _d in (80, 96):
+    SWEEP_CANDIDATES[_pass][_d] = _extra + tuple(
+        c for c in SWEEP_CANDIDATES[_pass][128] if c not in _extra)
+
+
+# d = 160 and 192 (pieces 128 + 32 and 128 + 64) take the d = 256 row; their candidates
+# start from its neighbours.
+for _d in (160, 192):
+  SWEEP_CANDIDATES["fwd"][_d] = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2),
+                                 (64, 32, 4, 3), (128, 64, 8, 1))
+  SWEEP_CANDIDATES["dkv"][_d] = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2),
+                                 (32, 64, 4, 2), (64, 32, 8, 2))
+  SWEEP_CANDIDATES["dq"][_d] = ((128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 2),
+                                (64, 32, 4, 3), (128, 64, 8, 3))
+
+
+def sweep_case(s: int, d: int, causal: bool) -> Case:
+  """The case a block sweep times at (s, d, causal): the model preset's, else the FA-2
+  grid's."""
+  for case in MODEL + D256:
+    if (case.s, case.d, case.causal, case.k_heads) == (s, d, causal, case.heads):
+      return case
+  return fa2_case(s, d, causal)
+
+
 SMOKE_SWEEP_SHAPES = {32: 256}
 SMOKE_SWEEP_CANDIDATES = ((64, 64, 4, 3),)   # "xla_chunked" reads only block_k

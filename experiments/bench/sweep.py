@@ -12,7 +12,6 @@ from experiments import common
 from experiments.bench import specs
 from experiments.bench.peers import default_tiles, jflash_peer
 from experiments.bench.runner import Runner
-from experiments.bench.specs import Case
 
 
 def candidate_tiles(pass_: str, cand, head_dim: int) -> dict:
@@ -29,50 +28,49 @@ def fmt_swept(swept) -> str:
   return "dict(" + ", ".join(f"{k}={v}" for k, v in swept.items()) + ")"
 
 
-def run_sweep(runner: Runner, impl: str, shapes: dict, causals, passes, budget_s: float,
+def run_sweep(runner: Runner, impl: str, cases, passes, budget_s: float,
               smoke: bool = False) -> tuple[list, dict]:
-  """(rows, best per "d=.. causal=.. pass"). Each (d, causal, pass) gets an even share of
-  what is left of `budget_s`, so a slow one cuts its own least promising candidates
-  rather than the later ones."""
+  """(rows, best per "d=.. causal=.. pass") over `cases` (specs.Case). Each (case, pass)
+  gets an even share of what is left of `budget_s`, so a slow one cuts its own least
+  promising candidates rather than the later ones."""
   rows, best = [], {}
-  slots_left = len(shapes) * len(causals) * len(passes)
+  slots_left = len(cases) * len(passes)
   end = time.perf_counter() + budget_s
-  common.log(f"block sweep of jflash {impl!r} over {shapes} (budget {budget_s:.0f}s)")
-  for d, s in shapes.items():
-    for causal in causals:
-      case = (Case(s, d, causal, 2, 2, name="sweep smoke") if smoke
-              else specs.fa2_case(s, d, causal))
-      for pass_ in passes:
-        cands = specs.SMOKE_SWEEP_CANDIDATES if smoke else specs.SWEEP_CANDIDATES[pass_][d]
-        mode = "fwd" if pass_ == "fwd" else "bwd"
-        ref = runner.reference(case, mode)
-        slot_end = time.perf_counter() + max(0.0, end - time.perf_counter()) / slots_left
-        slots_left -= 1
-        slot = []
-        for i, cand in enumerate((None,) + tuple(cands)):  # None: jflash's own table
-          tiles = None if cand is None else candidate_tiles(pass_, cand, d)
-          swept = "default" if cand is None else dict(zip(specs.SWEPT_FIELDS[pass_], cand))
-          extra = dict(pass_=pass_, swept=swept, block_sizes=tiles or "default")
-          if cand is not None and time.perf_counter() > slot_end:
-            slot.append(dict(impl="jflash", implementation=impl, key=case.key(), s=s, d=d,
-                             causal=causal, mode=mode, status="skipped", tflops=None, ms=None,
-                             error=f"share of the sweep budget ({budget_s:.0f} s) spent", **extra))
-            continue
-          peer = jflash_peer(impl, tag=f"{pass_}{i}", tiles=tiles)
-          row = runner.run_one(peer, case, mode, ref)
-          row.update(extra)
-          common.log(f"sweep {case.key()} {pass_:3s} {fmt_swept(swept)}: {row['status']}")
-          slot.append(row)
-        rows += slot
-        ok = [r for r in slot if r["ms"] is not None]
-        if ok:
-          b = min(ok, key=lambda r: r["ms"])
-          default = next((r for r in ok if r["block_sizes"] == "default"), None)
-          best[f"d={d} causal={causal} {pass_}"] = dict(
-              d=d, causal=causal, pass_=pass_, swept=b["swept"], block_sizes=b["block_sizes"],
-              ms=b["ms"], tflops=b["tflops"], default_ms=default and default["ms"],
-              speedup_over_default=default and default["ms"] / b["ms"])
-      runner.forget(case)
+  common.log(f"block sweep of jflash {impl!r} over {[c.key() for c in cases]} "
+             f"(budget {budget_s:.0f}s)")
+  for case in cases:
+    s, d, causal = case.s, case.d, case.causal
+    for pass_ in passes:
+      cands = specs.SMOKE_SWEEP_CANDIDATES if smoke else specs.SWEEP_CANDIDATES[pass_][d]
+      mode = "fwd" if pass_ == "fwd" else "bwd"
+      ref = runner.reference(case, mode)
+      slot_end = time.perf_counter() + max(0.0, end - time.perf_counter()) / slots_left
+      slots_left -= 1
+      slot = []
+      for i, cand in enumerate((None,) + tuple(cands)):  # None: jflash's own table
+        tiles = None if cand is None else candidate_tiles(pass_, cand, d)
+        swept = "default" if cand is None else dict(zip(specs.SWEPT_FIELDS[pass_], cand))
+        extra = dict(pass_=pass_, swept=swept, block_sizes=tiles or "default")
+        if cand is not None and time.perf_counter() > slot_end:
+          slot.append(dict(impl="jflash", implementation=impl, key=case.key(), s=s, d=d,
+                           causal=causal, mode=mode, status="skipped", tflops=None, ms=None,
+                           error=f"share of the sweep budget ({budget_s:.0f} s) spent", **extra))
+          continue
+        peer = jflash_peer(impl, tag=f"{pass_}{i}", tiles=tiles)
+        row = runner.run_one(peer, case, mode, ref)
+        row.update(extra)
+        common.log(f"sweep {case.key()} {pass_:3s} {fmt_swept(swept)}: {row['status']}")
+        slot.append(row)
+      rows += slot
+      ok = [r for r in slot if r["ms"] is not None]
+      if ok:
+        b = min(ok, key=lambda r: r["ms"])
+        default = next((r for r in ok if r["block_sizes"] == "default"), None)
+        best[f"d={d} causal={causal} {pass_}"] = dict(
+            d=d, causal=causal, pass_=pass_, swept=b["swept"], block_sizes=b["block_sizes"],
+            ms=b["ms"], tflops=b["tflops"], default_ms=default and default["ms"],
+            speedup_over_default=default and default["ms"] / b["ms"])
+    runner.forget(case)
   return rows, best
 
 
