@@ -224,6 +224,15 @@ def test_lowers_to_mosaic_gpu(H, causal):
   assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal))
 
 
+@pytest.mark.parametrize("T, S, padded", [(1000, 3000, False), (200, 330, True),
+                                          (131, 3000, True)])
+def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
+  """Lengths that are multiples of mf.TMA_ROWS reach the kernel as they are (the copy
+  engine zero-fills and drops the rows past the end of a tile); others are padded."""
+  text = _lowered(128, MaskOptions(is_causal=True), T=T, S=S)
+  assert ("stablehlo.pad" in text) == padded
+
+
 @pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
 def test_lowers_with_every_mask_path(H, dtype):
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)

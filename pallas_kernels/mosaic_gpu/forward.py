@@ -222,9 +222,18 @@ def check_head_dim_and_dtype(q, head_dims, what: str):
         f"the Mosaic GPU {what} supports bfloat16 and float16, got {q.dtype}")
 
 
+# Rows of the shared-memory tiling (8 x 64 elements, one 128-byte swizzle atom per 8
+# rows) that Mosaic GPU lays a tensor map's box over: the map's row count must be a
+# multiple of it.
+TMA_ROWS = 8
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
 def pad_axis(x, n: int, axis: int, fill=0):
-  """x zero-padded (or `fill`-padded) along `axis` to length n: whole tiles in memory,
-  since the copy engine's stores do not clip at the array's end."""
+  """x zero-padded (or `fill`-padded) along `axis` to length n: whole tiles in memory."""
   if x.shape[axis] == n:
     return x
   widths = [(0, 0)] * x.ndim
@@ -620,22 +629,33 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   bq, bk = config.block_q, config.block_k
   C = config.consumers
   rows_per_program = C * bq
-  Tp = -(-T // rows_per_program) * rows_per_program
-  Sp = -(-S // bk) * bk
-  # Whole tiles in memory: zero rows past T and S. Keys past S are masked in the last
-  # tile (its class is never FULL); query rows past T are computed and dropped. (The
-  # copy engine would fill loads past the end with zeros, but its stores do not clip.)
-  qp, kp, vp = pad_axis(q, Tp, 1), pad_axis(k, Sp, 1), pad_axis(v, Sp, 1)
+  Tp = _round_up(T, rows_per_program)
+  Sp = _round_up(S, bk)
+  # Tails. Q, K, V and O move as 2-D boxes of a [B, T|S, N|K, H] tensor map, whose
+  # copies the copy engine bounds per axis: a box's rows past the end load as zeros and
+  # are not stored (CUDA programming guide, tensor memory access). Keys past S are then
+  # zeros, masked in the last tile (its class is never FULL); query rows past T are
+  # computed on zeros and dropped by the store. Mosaic GPU builds the map over the
+  # shared-memory tiling of 8 rows, so T and S must be multiples of TMA_ROWS: only other
+  # lengths are padded in HBM (a copy), up to the next multiple. The lse rows go out by a
+  # plain bulk copy, bounded only by the whole array's end (rows past T of one head
+  # would land in the next), so lse is written in whole tiles ([B, N, Tp], 4 bytes a
+  # row) and cut to T. Mosaic GPU's interpreter does not model the copy engine's bounds:
+  # there every input is padded to whole tiles.
+  Tm, Sm = (Tp, Sp) if interpret else (_round_up(T, TMA_ROWS), _round_up(S, TMA_ROWS))
+  qp, kp, vp = pad_axis(q, Tm, 1), pad_axis(k, Sm, 1), pad_axis(v, Sm, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
   seg = {}
-  if ops.q_segment_ids is not None:   # padded with ids that match nothing
+  if ops.q_segment_ids is not None:
+    # Read by plain loads, which nothing bounds: padded with ids that match nothing.
     seg = {"q_seg": pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"]),
            "kv_seg": pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])}
   in_names = ["q", "k", "v", "ranges", *seg]
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
-  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  swizzled = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 64)),
+                              plgpu.SwizzleTransform(128)))
   scratch = dict(
       qo_smem=plgpu.SMEM((C, bq, H), q.dtype, **swizzled),
       k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
@@ -668,7 +688,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
     extra["interpret"] = InterpretGPUParams()
   out, lse = plgpu.kernel(
       kernel,
-      out_type=[jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype),
+      out_type=[jax.ShapeDtypeStruct((B, Tm, N, H), q.dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
       scratch_types=list(scratch.values()),
       grid=grid,
