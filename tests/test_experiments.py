@@ -127,6 +127,20 @@ def test_ring_gpu_tiny(tmp_path):
   assert "lm" not in res
 
 
+def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
+  # A copy of this tree's kernels stands in for another commit's.
+  import shutil
+  shutil.copytree(REPO / "pallas_kernels", tmp_path / "base" / "pallas_kernels",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  run_script("ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
+             "--name", "ab_tiny")
+  res = load(tmp_path, "ab_tiny")
+  assert res["trees"]["base"] == str((tmp_path / "base").resolve())
+  assert [r["mode"] for r in res["rows"]] == ["fwd", "fwd+bwd"]
+  assert all(r["this_ms"] > 0 and r["base_ms"] > 0 and r["this_over_base"] > 0
+             for r in res["rows"])
+
+
 def test_profile_kernels_runs_the_steps_it_names(capsys):
   # The program ncu profiles (experiments/profile_h200.sh): on a CPU with a plain-JAX
   # implementation, forward+backward and forward only, inputs made on the host.

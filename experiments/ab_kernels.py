@@ -1,0 +1,105 @@
+"""Two trees' Triton kernels timed against each other in one process.
+
+A "not slower" check between two benchmark runs mixes a kernel change with the spread
+of the runs (clocks, the machine lent). Here the `pallas_kernels` package of another
+tree (e.g. `git worktree add /tmp/base <commit>`) and this tree's are imported side by
+side and timed on the FA-2 quick cells in alternating rounds, so both see the same
+machine at the same time. TF/s (FLOPs as in the benchmark), the median of the rounds.
+
+  python -m experiments.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from experiments import common
+from experiments.bench import specs
+
+TREE = Path(__file__).resolve().parent.parent
+
+
+def load_kernels(tree: Path):
+  """(flash_forward, flash_backward) of the `pallas_kernels` package under `tree`. The
+  package imports itself by name, so its cached modules are set aside while `tree`'s
+  are imported and put back after: the functions keep their own modules' globals, and
+  the process's `pallas_kernels` stays the one it had."""
+  ours = lambda: [m for m in sys.modules if m.split(".")[0] == "pallas_kernels"]  # noqa: E731
+  saved = {name: sys.modules.pop(name) for name in ours()}
+  sys.path.insert(0, str(tree))
+  try:
+    fwd = importlib.import_module("pallas_kernels.forward")
+    bwd = importlib.import_module("pallas_kernels.backward")
+  finally:
+    sys.path.remove(str(tree))
+    for name in ours():
+      del sys.modules[name]
+    sys.modules.update(saved)
+  if not Path(fwd.__file__).resolve().is_relative_to(tree):
+    raise ValueError(f"{tree} has no pallas_kernels package (imported {fwd.__file__})")
+  return fwd.flash_forward, bwd.flash_backward
+
+
+def programs(kernels, case, mode):
+  ff, fb = kernels
+  kw = dict(scale=case.scale, is_causal=case.causal)
+  if mode == "fwd":
+    return jax.jit(lambda q, k, v, do: ff(q, k, v, **kw)[0])
+
+  def fwd_bwd(q, k, v, do):
+    out, lse = ff(q, k, v, **kw)
+    return fb(q, k, v, out, lse, do, **kw)
+  return jax.jit(fwd_bwd)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("base", type=Path, help="the other tree (holding pallas_kernels/)")
+  p.add_argument("--rounds", type=int, default=7, help="rounds per program, alternating")
+  p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3,
+                 help="back-to-back calls per round to fill this long")
+  p.add_argument("--tiny", action="store_true", help="one tiny interpreted cell (tests)")
+  p.add_argument("--out-dir", default=str(common.DEFAULT_OUT))
+  p.add_argument("--name", default=f"ab_kernels_{common.device_tag()}")
+  args = p.parse_args(argv)
+  trees = {"this": TREE, "base": args.base.resolve()}
+  kernels = {label: load_kernels(tree) for label, tree in trees.items()}
+  cases = ((specs.Case(128, 32, True, 1, 2, name="tiny causal"),) if args.tiny
+           else specs.FA2_QUICK)
+  rows = []
+  for case in cases:
+    shape = (case.batch, case.s, case.heads, case.d)
+    qkvo = [jax.random.normal(key, shape, jnp.bfloat16)
+            for key in jax.random.split(jax.random.PRNGKey(0), 4)]
+    for mode in specs.MODES:
+      fns = {label: programs(kernels[label], case, mode) for label in trees}
+      for fn in fns.values():
+        common.block(fn(*qkvo))                    # compile and warm up
+      seconds = {label: [] for label in fns}
+      for r in range(args.rounds):                 # alternate which goes first
+        for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+          seconds[label].append(common.time_calls(
+              fns[label], (tuple(qkvo),), rounds=1, round_s=args.round_ms / 1e3)["median_s"])
+      flops = case.flops(mode)
+      row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds}
+      median = {label: statistics.median(ts) for label, ts in seconds.items()}
+      for label, t in median.items():
+        row[label] = round(flops / t / 1e12, 1)
+        row[f"{label}_ms"] = round(t * 1e3, 4)
+      row["this_over_base"] = round(median["base"] / median["this"], 4)   # speed ratio
+      common.log(str(row))
+      rows.append(row)
+  path = common.write_result(args.name, vars(args), rows,
+                             extra={"trees": {k: str(v) for k, v in trees.items()}},
+                             out_dir=args.out_dir)
+  common.log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
