@@ -11,6 +11,7 @@ machine at the same time. TF/s (FLOPs as in the benchmark), the median of the ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import sys
@@ -25,37 +26,55 @@ from experiments.bench import specs
 TREE = Path(__file__).resolve().parent.parent
 
 
-def load_kernels(tree: Path):
-  """(flash_forward, flash_backward) of the `pallas_kernels` package under `tree`. The
-  package imports itself by name, so its cached modules are set aside while `tree`'s
-  are imported and put back after: the functions keep their own modules' globals, and
-  the process's `pallas_kernels` stays the one it had."""
-  ours = lambda: [m for m in sys.modules if m.split(".")[0] == "pallas_kernels"]  # noqa: E731
-  saved = {name: sys.modules.pop(name) for name in ours()}
-  sys.path.insert(0, str(tree))
+def _package_modules() -> list[str]:
+  return [m for m in sys.modules if m.split(".")[0] == "pallas_kernels"]
+
+
+@contextlib.contextmanager
+def package(modules: dict):
+  """`sys.modules` with `modules` as the `pallas_kernels` package, and the process's
+  own put back after. Tracing needs it, not only importing: the kernels import some
+  helpers when they are traced (`masking.tile_scores` takes `common`'s then), and those
+  must come from the same tree."""
+  saved = {name: sys.modules.pop(name) for name in _package_modules()}
+  sys.modules.update(modules)
   try:
-    fwd = importlib.import_module("pallas_kernels.forward")
-    bwd = importlib.import_module("pallas_kernels.backward")
+    yield
   finally:
-    sys.path.remove(str(tree))
-    for name in ours():
+    for name in _package_modules():
       del sys.modules[name]
     sys.modules.update(saved)
+
+
+def load_kernels(tree: Path):
+  """(flash_forward, flash_backward, modules) of the `pallas_kernels` package under
+  `tree`, imported apart from the process's own (`package`)."""
+  with package({}):
+    sys.path.insert(0, str(tree))
+    try:
+      fwd = importlib.import_module("pallas_kernels.forward")
+      bwd = importlib.import_module("pallas_kernels.backward")
+    finally:
+      sys.path.pop(0)
+    modules = {name: sys.modules[name] for name in _package_modules()}
   if not Path(fwd.__file__).resolve().is_relative_to(tree):
     raise ValueError(f"{tree} has no pallas_kernels package (imported {fwd.__file__})")
-  return fwd.flash_forward, bwd.flash_backward
+  return fwd.flash_forward, bwd.flash_backward, modules
 
 
-def programs(kernels, case, mode):
-  ff, fb = kernels
+def programs(kernels, case, mode, inputs):
+  """One tree's program for `mode`, traced and compiled under that tree's package."""
+  ff, fb, modules = kernels
   kw = dict(scale=case.scale, is_causal=case.causal)
-  if mode == "fwd":
-    return jax.jit(lambda q, k, v, do: ff(q, k, v, **kw)[0])
+
+  def fwd(q, k, v, do):
+    return ff(q, k, v, **kw)[0]
 
   def fwd_bwd(q, k, v, do):
     out, lse = ff(q, k, v, **kw)
     return fb(q, k, v, out, lse, do, **kw)
-  return jax.jit(fwd_bwd)
+  with package(modules):
+    return jax.jit(fwd if mode == "fwd" else fwd_bwd).lower(*inputs).compile()
 
 
 def main(argv=None):
@@ -74,18 +93,21 @@ def main(argv=None):
            else specs.FA2_QUICK)
   rows = []
   for case in cases:
-    shape = (case.batch, case.s, case.heads, case.d)
-    qkvo = [jax.random.normal(key, shape, jnp.bfloat16)
-            for key in jax.random.split(jax.random.PRNGKey(0), 4)]
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, do = (jax.random.normal(key, (case.batch, case.s, case.heads, case.d), jnp.bfloat16)
+             for key in keys[:2])
+    k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), jnp.bfloat16)
+            for key in keys[2:])
+    inputs = (q, k, v, do)
     for mode in specs.MODES:
-      fns = {label: programs(kernels[label], case, mode) for label in trees}
+      fns = {label: programs(kernels[label], case, mode, inputs) for label in trees}
       for fn in fns.values():
-        common.block(fn(*qkvo))                    # compile and warm up
+        common.block(fn(*inputs))                   # warm up
       seconds = {label: [] for label in fns}
       for r in range(args.rounds):                 # alternate which goes first
         for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
           seconds[label].append(common.time_calls(
-              fns[label], (tuple(qkvo),), rounds=1, round_s=args.round_ms / 1e3)["median_s"])
+              fns[label], (inputs,), rounds=1, round_s=args.round_ms / 1e3)["median_s"])
       flops = case.flops(mode)
       row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds}
       median = {label: statistics.median(ts) for label, ts in seconds.items()}
@@ -96,7 +118,7 @@ def main(argv=None):
       common.log(str(row))
       rows.append(row)
   path = common.write_result(args.name, vars(args), rows,
-                             extra={"trees": {k: str(v) for k, v in trees.items()}},
+                             extra={"trees": {label: str(tree) for label, tree in trees.items()}},
                              out_dir=args.out_dir)
   common.log(f"wrote {path}")
 

@@ -6,14 +6,14 @@ same-dtype implementation (`implementation="xla"`) + the test suite's floor.
 On a CPU it runs the same cases at a small size (interpret mode).
 
   python -m experiments.pallas_check                  # both presets (GPU sizes)
-  python -m experiments.pallas_check --preset model   # GQA/MQA, d 72/80/96/160/192/256, T = S = 3000
+  python -m experiments.pallas_check --preset model   # GQA/MQA, d 72-256, T = S = 3000
   python -m experiments.pallas_check --seq 256        # any backend, smaller
 
 Presets: "fa2" is the FlashAttention-2 grid (T = S = 4096, d 64/128, bf16/fp16, causal
 and not, plus two masked cases); "model" is model shapes: GQA 32/8 and MQA 16/1 at
 T = S = 1000 (32 heads of a float64 reference at 3000 would cost more than the kernels'
-check is worth), and d = 72, 80, 96, 192, 256 at T = S = 3000, none of them whole tiles, causal
-and not.
+check is worth), and d = 72, 80, 96, 160, 192, 256 at T = S = 3000, none of them whole
+tiles, causal and not.
 """
 from __future__ import annotations
 

@@ -92,14 +92,13 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
   dk = tuple(jnp.zeros(x.shape, acc) for x in k)
   dv = tuple(jnp.zeros(x.shape, acc) for x in v)
 
-  def body(i, carry, g, masked, last=False):
+  def body(i, carry, g, masked, overruns=False):
     dk, dv = carry
     row0 = i * block_q
     rows = pl.ds(row0, block_q)
-    # Only the `last` query block can overrun T (`visit_query_blocks`), so only its
-    # query-side loads are masked. Rows past T read q = dO = delta = 0 and lse2 = +inf:
-    # P = 0 and dS = 0 there.
-    rows_in = common.tail(row0, T, block_q) if last else None
+    # Only the block that `overruns` T (`visit_query_blocks`) masks its query-side
+    # loads. Rows past T read q = dO = delta = 0 and lse2 = +inf: P = 0 and dS = 0 there.
+    rows_in = common.tail(row0, T, block_q) if overruns else None
     q = common.load_heads(r["q"], (rows, g), rows_in, H)
     do = common.load_heads(r["do"], (rows, g), rows_in, H)
 
@@ -141,17 +140,18 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
 def visit_query_blocks(ranges, body, carry, *, T, block_q):
   """`visit_tiles` over the query blocks of a dK/dV program, with the block that
   overruns T (when T is not whole blocks) visited last and on its own as
-  `body(i, carry, masked=True, last=True)`. A block's class looks at keys only, so
-  without this every visited block would pay for masked query loads (T = 3000, d = 128:
-  46 of 47 blocks of 64 rows are whole)."""
+  `body(i, carry, masked=True, overruns=True)`. A block's class says which of its
+  elements a mask may hide, not whether its rows run past T, so without this every
+  visited block would pay for masked query loads (T = 3000: 46 of 47 blocks of 64 rows
+  are whole)."""
   if T % block_q == 0:
     return visit_tiles(ranges, body, carry)
   whole = T // block_q                       # blocks [0, whole) lie inside T
   lo, full_lo, full_hi, hi = (jnp.minimum(ranges[t], whole) for t in range(4))
   carry = visit_tiles((lo, full_lo, full_hi, hi), body, carry)
-  # `masked` is always correct, and the last block is one iteration at most.
+  # `masked` is always correct, and the overrunning block is one iteration at most.
   return lax.fori_loop(jnp.maximum(ranges[0], whole), ranges[3],
-                       functools.partial(body, masked=True, last=True), carry)
+                       functools.partial(body, masked=True, overruns=True), carry)
 
 
 def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_blocks, num_heads,

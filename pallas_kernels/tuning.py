@@ -48,10 +48,11 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per head_dim (a head dim missing here takes the row of its padded width: 72
-# the d = 128 row, 160 and 192 the d = 256 one; products over a head dim that is not a
-# power of two run on power-of-two pieces of it, `common.head_pieces`). Each kernel's row is
-# (rows of Q, rows of K/V, num_warps, num_stages). Notes for every row in
+# Defaults per head_dim (a head dim missing here takes the row of its padded width, e.g.
+# 72 the d = 128 row: it was not swept, and its pieces are those of 80, 64 + 16; products
+# over a head dim that is not a power of two run on power-of-two pieces of it,
+# `common.head_pieces`). Each kernel's row is (rows of Q, rows of K/V, num_warps,
+# num_stages). Notes for every row in
 # experiments/results/tuning_notes.md.
 # d = 64 and 128: the per-kernel block sweep on one H200
 # (experiments/results/bench_attention_block_sweep_h200_d64.json and _d128.json). The

@@ -191,10 +191,11 @@ MEMORY_TARGET = (32768, 1.1)
 
 # -- block sweep -------------------------------------------------------------------------
 # head_dim -> seq: the FA-2 grid's long cells at 64 and 128, the model shapes' cells
-# (MODEL, D256) at the others; `sweep_case` picks the case.
+# (MODEL, D256) at 80/96/192/256, and at 160 (no model cell) a FA-2-style one of 12
+# heads; `sweep_case` picks the case.
 SWEEP_SHAPES = {128: 16384, 64: 4096, 256: 4096, 96: 4096, 80: 4096, 192: 4096, 160: 4096}
-# Masks swept per head_dim where not both: the model cells of d 80/96/192 are not causal
-# (and d = 160, a FA-2-style cell of 12 heads, follows them).
+# Masks swept per head_dim where not both: the model cells of d 80/96/192 are not causal,
+# and d = 160 follows them.
 SWEEP_CAUSALS = {80: (False,), 96: (False,), 192: (False,), 160: (False,)}
 SWEEP_BUDGET_S = 160                    # split evenly over (d, causal, pass)
 SWEEP_PASSES = ("fwd", "dkv", "dq")
@@ -232,7 +233,7 @@ SWEEP_CANDIDATES["dkv"][256] = ((128, 32, 8, 2), (64, 32, 4, 1), (32, 64, 8, 2),
 SWEEP_CANDIDATES["dq"][256] = ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 3),
                                (64, 64, 8, 2), (128, 32, 8, 1), (64, 32, 4, 3))
 # Head dims that run as pieces (80 = 64 + 16, 96 = 64 + 32) start from d = 128's
-# candidates, with the d = 64 row's smaller tiles first.
+# candidates, with 128 x 64 and 64 x 64 tiles first.
 for _pass, _extra in (("fwd", ((128, 64, 4, 3), (64, 64, 4, 3))), ("dkv", ((64, 64, 4, 3),)),
                       ("dq", ((64, 64, 4, 3),))):
   for _d in (80, 96):
@@ -240,8 +241,8 @@ for _pass, _extra in (("fwd", ((128, 64, 4, 3), (64, 64, 4, 3))), ("dkv", ((64, 
         c for c in SWEEP_CANDIDATES[_pass][128] if c not in _extra)
 
 
-# d = 160 and 192 (pieces 128 + 32 and 128 + 64) take the d = 256 row; their candidates
-# start from its neighbours.
+# d = 160 and 192 (pieces 128 + 32 and 128 + 64): candidates around the d = 256 row, which
+# they took before their own.
 for _d in (160, 192):
   SWEEP_CANDIDATES["fwd"][_d] = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2),
                                  (64, 32, 4, 3), (128, 64, 8, 1))
@@ -249,6 +250,7 @@ for _d in (160, 192):
                                  (32, 64, 4, 2), (64, 32, 8, 2))
   SWEEP_CANDIDATES["dq"][_d] = ((128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 2),
                                 (64, 32, 4, 3), (128, 64, 8, 3))
+del _pass, _extra, _d
 
 
 def sweep_case(s: int, d: int, causal: bool) -> Case:

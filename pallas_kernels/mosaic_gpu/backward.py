@@ -48,9 +48,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, MosaicConfig,
-                                               _load_vector, _plgpu, check_head_dim_and_dtype,
-                                               check_shared_memory, compiler_params, pad_axis)
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, TMA_ROWS,
+                                               MosaicConfig, _load_vector, _plgpu,
+                                               check_head_dim_and_dtype, check_shared_memory,
+                                               compiler_params, pad_axis, round_up)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -611,7 +612,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   def padded(bq, bk):
     """Whole tiles in memory. Padded query rows have lse2 = +inf (P = 0) and dO = 0;
     padded keys are masked in the last key tile (never FULL) by the key length."""
-    Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+    Tp, Sp = round_up(T, bq), round_up(S, bk)
     x = dict(q=pad_axis(q, Tp, 1), k=pad_axis(k, Sp, 1), v=pad_axis(v, Sp, 1),
              do=pad_axis(dout, Tp, 1), lse2=pad_axis(lse2, Tp, 2, jnp.inf),
              delta=pad_axis(delta, Tp, 2))
@@ -620,7 +621,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       x["kv_seg"] = pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])
     return Tp, Sp, x
 
-  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  swizzled = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 64)),
+                              plgpu.SwizzleTransform(128)))
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -666,7 +668,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # float32 dQ tile for the copy engine.
     scratch["ds_smem"] = smem((C, ROWS, stream_rows))
     scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, transforms=(
-        plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
+        plgpu.TilingTransform((TMA_ROWS, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs

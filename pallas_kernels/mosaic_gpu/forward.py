@@ -228,12 +228,12 @@ def check_head_dim_and_dtype(q, head_dims, what: str):
 TMA_ROWS = 8
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
 def pad_axis(x, n: int, axis: int, fill=0):
-  """x zero-padded (or `fill`-padded) along `axis` to length n: whole tiles in memory."""
+  """x zero-padded (or `fill`-padded) along `axis` to length n (no copy when it has n)."""
   if x.shape[axis] == n:
     return x
   widths = [(0, 0)] * x.ndim
@@ -629,11 +629,12 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   bq, bk = config.block_q, config.block_k
   C = config.consumers
   rows_per_program = C * bq
-  Tp = _round_up(T, rows_per_program)
-  Sp = _round_up(S, bk)
-  # Tails. Q, K, V and O move as 2-D boxes of a [B, T|S, N|K, H] tensor map, whose
-  # copies the copy engine bounds per axis: a box's rows past the end load as zeros and
-  # are not stored (CUDA programming guide, tensor memory access). Keys past S are then
+  Tp = round_up(T, rows_per_program)
+  Sp = round_up(S, bk)
+  # Tails. Q, K, V and O move as 2-D boxes of a [B, T|S, N|K, H] tensor map (Mosaic GPU
+  # takes that path for every copy of a swizzled buffer, as these are), whose copies the
+  # copy engine bounds per axis: a box's rows past the end load as zeros and are not
+  # stored (CUDA programming guide, tensor memory access). Keys past S are then
   # zeros, masked in the last tile (its class is never FULL); query rows past T are
   # computed on zeros and dropped by the store. Mosaic GPU builds the map over the
   # shared-memory tiling of 8 rows, so T and S must be multiples of TMA_ROWS: only other
@@ -642,8 +643,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   # would land in the next), so lse is written in whole tiles ([B, N, Tp], 4 bytes a
   # row) and cut to T. Mosaic GPU's interpreter does not model the copy engine's bounds:
   # there every input is padded to whole tiles.
-  Tm, Sm = (Tp, Sp) if interpret else (_round_up(T, TMA_ROWS), _round_up(S, TMA_ROWS))
-  qp, kp, vp = pad_axis(q, Tm, 1), pad_axis(k, Sm, 1), pad_axis(v, Sm, 1)
+  # T_map, S_map: the lengths of the arrays the kernel's tensor maps are built over.
+  T_map, S_map = (Tp, Sp) if interpret else (round_up(T, TMA_ROWS), round_up(S, TMA_ROWS))
+  qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
   seg = {}
   if ops.q_segment_ids is not None:
@@ -688,7 +690,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
     extra["interpret"] = InterpretGPUParams()
   out, lse = plgpu.kernel(
       kernel,
-      out_type=[jax.ShapeDtypeStruct((B, Tm, N, H), q.dtype),
+      out_type=[jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
       scratch_types=list(scratch.values()),
       grid=grid,
