@@ -141,27 +141,39 @@ def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
              for r in res["rows"])
 
 
+AB_OWN_HELPERS = """
+import sys
+from pathlib import Path
+import jax.numpy as jnp
+import pytest
+from experiments import ab_kernels
+from experiments.bench import specs
+base = Path(sys.argv[1])
+case = specs.Case(64, 16, True, 1, 1, name="tiny")
+x = jnp.zeros((1, 64, 1, 16), jnp.bfloat16)
+ab_kernels.programs(ab_kernels.load_kernels(ab_kernels.TREE), case, "fwd", (x,) * 4)
+with pytest.raises(RuntimeError, match="base helper"):
+  ab_kernels.programs(ab_kernels.load_kernels(base), case, "fwd", (x,) * 4)
+import pallas_kernels.common
+assert Path(pallas_kernels.common.__file__).parent == ab_kernels.TREE / "pallas_kernels"
+print("ok")
+"""
+
+
 def test_ab_kernels_traces_each_tree_with_its_own_helpers(tmp_path):
   # The kernels import some helpers while they are traced: the other tree's must be
-  # traced with its own. Its copy here raises from one of them.
+  # traced with its own. Its copy here raises from one of them. (A process of its own:
+  # the check swaps packages in sys.modules.)
   import shutil
-
-  import jax.numpy as jnp
-
-  from experiments import ab_kernels
-  from experiments.bench import specs
   base = tmp_path / "base"
   shutil.copytree(REPO / "pallas_kernels", base / "pallas_kernels",
                   ignore=shutil.ignore_patterns("__pycache__"))
   with open(base / "pallas_kernels" / "common.py", "a") as f:
     f.write("\n\ndef dot_heads(*args, **kwargs):\n  raise RuntimeError('base helper')\n")
-  case = specs.Case(64, 16, True, 1, 1, name="tiny")
-  x = jnp.zeros((1, 64, 1, 16), jnp.bfloat16)
-  ab_kernels.programs(ab_kernels.load_kernels(ab_kernels.TREE), case, "fwd", (x,) * 4)
-  with pytest.raises(RuntimeError, match="base helper"):
-    ab_kernels.programs(ab_kernels.load_kernels(base), case, "fwd", (x,) * 4)
-  import pallas_kernels.common
-  assert Path(pallas_kernels.common.__file__).parent.parent == REPO   # the process's own
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", AB_OWN_HELPERS, str(base)], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_profile_kernels_runs_the_steps_it_names(capsys):
