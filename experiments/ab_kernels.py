@@ -101,10 +101,9 @@ def main(argv=None):
     inputs = (q, k, v, do)
     for mode in specs.MODES:
       fns = {label: programs(kernels[label], case, mode, inputs) for label in trees}
-      for fn in fns.values():
-        common.block(fn(*inputs))                   # warm up
       seconds = {label: [] for label in fns}
-      for r in range(args.rounds):                 # alternate which goes first
+      # Alternating which goes first; each round starts with one untimed call.
+      for r in range(args.rounds):
         for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
           seconds[label].append(common.time_calls(
               fns[label], (inputs,), rounds=1, round_s=args.round_ms / 1e3)["median_s"])

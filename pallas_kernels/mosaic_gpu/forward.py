@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep)
 
@@ -226,10 +227,6 @@ def check_head_dim_and_dtype(q, head_dims, what: str):
 # rows) that Mosaic GPU lays a tensor map's box over: the map's row count must be a
 # multiple of it.
 TMA_ROWS = 8
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def pad_axis(x, n: int, axis: int, fill=0):
