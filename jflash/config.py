@@ -130,9 +130,6 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    fma_exp2: how many of every 8 exponentials of the softmax (in tiles without an
-      element-wise mask) a polynomial computes on the FMA pipes instead of the
-      multi-function unit, 0-8 (pallas_kernels/mosaic_gpu/forward.py, `fma_exp2`).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, where it measured faster on
@@ -158,7 +155,7 @@ class MosaicGPUConfig(BackendConfig):
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "fma_exp2")
+      "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -173,7 +170,6 @@ class MosaicGPUConfig(BackendConfig):
   consumers: int | None = None
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  fma_exp2: int | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None

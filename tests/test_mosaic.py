@@ -426,36 +426,6 @@ def test_interpreted_negative_scale():
   _check_against_reference(q, k, v, out, lse, scale=-0.2)
 
 
-def test_fma_exp2_within_its_bound_and_keeps_nan():
-  """The polynomial exp2 against float64 over the logits a tile meets (<= 0; values
-  below EXP2_FLOOR come out tiny and positive); a NaN stays NaN."""
-  x = np.concatenate([-np.linspace(0.0, 124.0, 20001), [1e-7, np.nan]]).astype(np.float32)
-  poly = jax.jit(lambda x: mf.exp2_split(x[None], 8, interpret=True)[0])(jnp.asarray(x))
-  got, want = np.asarray(poly, np.float64), np.exp2(x.astype(np.float64))
-  assert np.nanmax(np.abs(got / want - 1)) <= 7.5e-5
-  assert np.isnan(got[-1])
-
-
-def test_fma_exp2_moves_exponentials_off_the_multi_function_unit():
-  """With every unmasked exponential on the polynomial, ex2 is left only in the masked
-  tiles' softmax and the rescale factors."""
-  def ex2_count(eighths):
-    config = dataclasses.replace(mf.default_config(64), fma_exp2=eighths)
-    return _kernel_module(_lowered(64, MaskOptions(), config=config)).count("ex2.approx")
-  assert 0 < ex2_count(8) < ex2_count(4) < ex2_count(0)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_interpreted_fma_exp2(causal):
-  """Half of each unmasked tile's exponentials by the polynomial; masked tiles (the
-  causal diagonal, the key tail) keep the exact zeros of ex2."""
-  q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=8)[:3]
-  config = mf.MosaicConfig(64, 64, 2, fma_exp2=4)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=causal),
-                              config=config, interpret=True)
-  _check_against_reference(q, k, v, out, lse, is_causal=causal, scale=0.125)
-
-
 def test_interpreted_nan_reaches_only_its_row():
   q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
   q = q.at[0, 9, 0, 3].set(jnp.nan)

@@ -79,12 +79,6 @@ class MosaicConfig:
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  fma_exp2: how many of every 8 exponentials of P in a tile without an element-wise
-    mask are computed by a polynomial on the FMA and integer pipes (`fma_exp2`) in
-    place of the multi-function unit's ex2 (0-8). That unit does 16 exp2 per cycle
-    per multiprocessor against the tensor cores' 4096 FLOPs, so at head_dim 64 a
-    tile's exponentials take as long as its two matrix products (FlashAttention-4
-    moves part of them to the FMA units for the same reason).
   """
 
   block_q: int = 64
@@ -97,7 +91,6 @@ class MosaicConfig:
   consumers: int = 2
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  fma_exp2: int = 0
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -114,8 +107,6 @@ class MosaicConfig:
       object.__setattr__(self, "ping_pong", self.consumers == 2)
     if not isinstance(self.ping_pong, bool):
       raise ValueError(f"ping_pong={self.ping_pong!r} must be a bool or None")
-    if type(self.fma_exp2) is not int or not 0 <= self.fma_exp2 <= 8:
-      raise ValueError(f"fma_exp2={self.fma_exp2!r} must be an int in [0, 8] (eighths)")
     if self.ping_pong and self.consumers != 2:
       raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
                        "needs ping_pong=False")
@@ -291,70 +282,6 @@ def _load_vector(ref, layout, interpret):
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
-# exp2 on the FMA and integer pipes (FlashAttention-4's software exponential):
-# 2^x = 2^j 2^f with j = round(x), f = x - j in [-0.5, 0.5]. Adding 1.5 * 2^23 rounds x
-# to an integer held in the sum's low mantissa bits (|x| < 2^22); subtracting it again
-# gives j exactly, and f = x - j is exact. 2^f comes from a degree-3 polynomial
-# (minimax in relative error over [-0.5, 0.5]: 7.5e-5, below the rounding of P to bf16,
-# 2^-9, or fp16, 2^-12), and 2^j joins it as an integer add of j << 23 to its exponent
-# field (the sum's bits shifted left by 23 leave j's two's complement there). x is
-# first raised to EXP2_FLOOR so that 2^j stays a normal float (exponent field >= 1
-# for 2^f >= 2^-0.5); a NaN passes max.NaN and the polynomial and stays NaN. Used
-# only in tiles without an element-wise mask, where no logit is -inf by a mask (a
-# masked key's P must be exactly 0).
-ROUND_MAGIC = 1.5 * 2**23
-EXP2_POLY = (0.9999281093641539, 0.6932609856052576, 0.2426105422817228,
-             0.05517132143402796)
-EXP2_FLOOR = -125.0
-
-
-def fma_exp2(x, maximum, to_bits, from_bits, opaque=lambda t: t):
-  """2^x by the polynomial above, elementwise; `maximum`, `to_bits` (float32 -> int32
-  bits) and `from_bits` are the array type's own (jnp, or Mosaic GPU's registers).
-  `opaque` hides the rounded sum from algebraic simplification: XLA folds
-  (x + c) - c to x (jnp needs lax.optimization_barrier); Mosaic GPU's float ops carry
-  only the `contract` fast-math flag, under which MLIR and LLVM do not reassociate."""
-  x = maximum(x, EXP2_FLOOR)
-  t = opaque(x + ROUND_MAGIC)
-  f = x - (t - ROUND_MAGIC)
-  c0, c1, c2, c3 = EXP2_POLY
-  p = ((f * c3 + c2) * f + c1) * f + c0
-  return from_bits(to_bits(p) + (to_bits(t) << 23))
-
-
-def exp2_split(x, eighths: int, interpret: bool):
-  """2^x of a float32 [rows, cols] accumulator-layout tile with `eighths` of every 8
-  values from `fma_exp2` and the rest from the multi-function unit's ex2.approx.ftz.
-  On the GPU the split is by register (each holds two values of one row; which values
-  take which path does not matter to the result's accuracy); the interpreter, which
-  has no register-level code, splits by column (col % 8 < eighths)."""
-  if interpret:
-    poly = fma_exp2(x, jnp.maximum, lambda a: lax.bitcast_convert_type(a, jnp.int32),
-                    lambda a: lax.bitcast_convert_type(a, jnp.float32),
-                    lax.optimization_barrier)
-    cols = lax.broadcasted_iota(jnp.int32, x.shape, 1) % 8 < eighths
-    return jnp.where(cols, poly, jnp.exp2(x))
-  plgpu = _plgpu()
-  layout = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(layout,),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout))
-  def split(_, x):
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax.experimental.mosaic import gpu as mgpu
-    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-    poly = fma_exp2(x, lambda a, b: a.max(b),
-                    lambda a: a.bitcast(i32, output_is_signed=True),
-                    lambda a: a.bitcast(f32))
-    ex2 = mgpu.FragmentedArray._lift_fast_instr("ex2.approx.ftz.f32")
-    regs = np.empty_like(x.registers)
-    for i, (reg, p) in enumerate(zip(x.registers.flat, poly.registers.flat)):
-      regs.flat[i] = p if i % 8 < eighths else ex2(reg)   # unused values are dead code
-    return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
-  return split(x)
-
-
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
             num_q_blocks, num_heads, num_items, num_ctas, dtype, interpret, pv_in_place):
   plgpu = _plgpu()
@@ -476,11 +403,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
-        x = s * c - lax.broadcast_in_dim(m_use, s.shape, [0])
-        if config.fma_exp2 and not masked:
-          p = exp2_split(x, config.fma_exp2, interpret)
-        else:
-          p = jnp.exp2(x)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         return p.astype(dtype), alpha, m_new, l_i
 
