@@ -132,8 +132,9 @@ class MosaicGPUConfig(BackendConfig):
       8; the producer warpgroup keeps the rest of the launch's pool).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
       heads (GQA, MQA) and for one key head per query head from
-      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, where it measured faster on
-      the H200, else the Triton one (the rule: `jflash.mosaic_impl.backward_kind`);
+      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, unless a causal dK/dV grid
+      stays small, where it measured faster on the H200, else the Triton one (the
+      rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
       (pallas_kernels/mosaic_gpu/backward.py), head_dim 64 or 128.
@@ -142,14 +143,21 @@ class MosaicGPUConfig(BackendConfig):
       tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
       program: 1, or 2 with a producer warpgroup (warp-specialised); None takes the
-      default, 2 with one key head per query head and 1 with grouped heads, the faster
-      of the two on the H200 (`pallas_kernels.mosaic_gpu.backward.default_config`).
+      default, 2, the faster on the H200 (`pallas_kernels.mosaic_gpu.backward
+      .call_config`).
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
-      bit-identical on repeat; correct but slower on the H200, where ptxas reports
-      its consumers' live values overflowing their 232 registers); needs
-      backward_block_n 64.
+      bit-identical on repeat; correct but slower on the H200, where its consumers'
+      live values overflowed their registers); needs backward_block_n 64.
+    backward_group_splits: whenever the Mosaic GPU backward runs, programs per key tile
+      of its dK/dV kernel, each looping over its share of the GQA group's query heads
+      and writing float32 partial dK and dV that are summed after the kernel (more
+      programs where a causal dK/dV grid is small, e.g. MQA); must divide the call's
+      group (NotImplementedError otherwise); None takes the kernel's default: 1, or for
+      a causal call whose dK/dV grid has fewer programs than the kernel's
+      CAUSAL_MIN_PROGRAMS, the fewest splits that reach it (or the most that fit
+      shared memory).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -160,7 +168,7 @@ class MosaicGPUConfig(BackendConfig):
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
       "backward_block_n": "block_n", "backward_consumers": "consumers",
-      "backward_fused_dq": "fused_dq"}
+      "backward_fused_dq": "fused_dq", "backward_group_splits": "group_splits"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -174,6 +182,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_block_n: int | None = None
   backward_consumers: int | None = None
   backward_fused_dq: bool | None = None
+  backward_group_splits: int | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -73,60 +73,72 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
   _fwd.check_supported(q, k, v, kernel_config(q, cfg, masks))
   if backward_kind(q, k, cfg, masks) == "mosaic_gpu":
-    _bwd.check_supported(q, k, v, backward_config(q, k, cfg))
+    _bwd.check_supported(q, k, v, backward_config(q, k, cfg, masks))
 
 
-def backward_config(q, k, cfg) -> _bwd.BackwardConfig:
-  """The caller's backward fields over the Mosaic GPU backward's default for the call's
-  GQA group (`pallas_kernels.mosaic_gpu.backward.default_config`)."""
+def backward_config(q, k, cfg, masks: Masks, *, own_fields: bool = True) -> _bwd.BackwardConfig:
+  """The Mosaic GPU backward's config for the call: the caller's backward fields
+  (unless `own_fields` is False) over the kernel's default for the call's shapes
+  (`pallas_kernels.mosaic_gpu.backward.call_config`: two consumers, and a causal
+  call's GQA group split when its dK/dV grid is small)."""
   own = cfg.backend_config(MosaicGPUConfig)
-  default = _bwd.default_config(q.shape[2] // k.shape[2])
-  return dataclasses.replace(default, **({} if own is None else own.backward_fields()))
+  fields = own.backward_fields() if own is not None and own_fields else {}
+  return _bwd.call_config(q.shape, k.shape, q.dtype.itemsize, causal=masks.is_causal,
+                          **fields)
 
 
-# The dK/dV grid size below which "auto" keeps a causal call on the Triton backward.
-CAUSAL_DKV_PROGRAMS = 1024
 # Query and key lengths from which "auto" takes the Mosaic GPU backward with one key
 # head per query head: at 2K the two backwards ran level (419.1 against 420.1 TF/s
-# fwd+bwd, causal 339.7 against 339.5; mosaic_ws_2k_time_h200.json), at 1K the Mosaic
-# GPU one was slower, from 4K faster.
+# fwd+bwd, causal 339.7 against 339.5; mosaic_ws_2k_time_h200.json), at 1K level or
+# slower (381.6 against 380.3, causal 278.1 against 280.3 at the backward's 240
+# registers; mosaic_backward_consumers_regs240_h200.json), from 4K faster.
 MHA_MIN_SEQ = 2048
 
 
 def backward_kind(q, k, cfg, masks: Masks) -> str:
   """Which backward runs: the caller's choice, or with "auto" the faster one as measured
-  on the H200 (bf16, fwd+bwd against the Triton backward in the same process;
-  experiments/results/mosaic_backward_time_h200.json for one warpgroup per program,
-  mosaic_fused_dq_cols_time_h200.json for two and a producer), at head_dim 128:
-  - grouped heads (GQA, MQA): the Mosaic GPU backward (one warpgroup per program),
-    whose dK/dV program runs the group's query heads against K and V held in shared
-    memory (+7% GQA 32/8 8K, +12% MQA 16/1 16K, +22% GQA 32/8 8K causal);
-  - one key head per query head, with the default backward fields (two consumer
-    warpgroups and a producer, the config that was timed), query and key lengths
-    from MHA_MIN_SEQ and whole tiles of the program's 128 rows: the Mosaic GPU
-    backward (+5.4% and +7.0% at 4K, 8 heads, batch 4, the decoder LM's attention;
-    +5.7% and +0.6% at 16K, causal second; level at 2K); shorter, the Triton backward
-    (1K: 0.985x and 0.966x); off the tiles too, since the Mosaic GPU backward pads its
-    inputs in HBM (T = S = 3000 causal ran 299.8 TF/s with it, bench_model_h200.json,
-    where the Triton backward had run 335 the run before);
-  - either way not when the call is causal and its dK/dV grid (batch x key heads x
-    key tiles of 64 per consumer) has fewer than CAUSAL_DKV_PROGRAMS programs: a
+  on the H200 (bf16, fwd+bwd against the Triton backward in the same process), at
+  head_dim 128, with the backward's default config (two consumer warpgroups and a
+  producer; `pallas_kernels.mosaic_gpu.backward.call_config`):
+  - grouped heads (GQA, MQA): the Mosaic GPU backward, whose dK/dV program runs the
+    group's query heads against K and V held in shared memory (GQA 32/8 8K 526.3
+    against 468.6 TF/s, causal 500.8 against 437.9; MQA 16/1 16K 553.4 against 458.4,
+    causal with the group split in four 523.5 against 464.4;
+    mosaic_backward_consumers_regs240_h200.json);
+  - one key head per query head, with the default backward fields (the config that was
+    timed), query and key lengths from MHA_MIN_SEQ and whole tiles of the program's
+    128 rows: the Mosaic GPU backward (16K d128 527.5 against 464.7, causal 505.5
+    against 467.7, mosaic_bwd_regs240_h200.log); shorter, the Triton backward; off
+    the tiles too, since the Mosaic GPU backward pads its inputs in HBM (T = S = 3000
+    causal ran 299.8 TF/s with it, bench_model_h200.json, where the Triton backward
+    had run 335 the run before);
+  - either way not when the call is causal and its dK/dV grid, with the config's
+    group split, still has fewer than the kernel's CAUSAL_MIN_PROGRAMS programs: a
     causal program's work grows with its key tile's distance from the end, and one
-    wave of a few hundred programs lasts as long as the heaviest (MQA 16/1 16K causal:
-    256 programs, 0.89x the Triton backward).
-  head_dim 64 (0.88x) and 256 (not supported): the Triton backward."""
+    wave of a few hundred programs lasts as long as the heaviest. (The 512 comes from
+    grouped heads; a grid of one key head per query head runs as many waves for as
+    many programs, but between 512 and 1023 programs it was not timed.)
+  - not when the caller's backward fields make a config the kernels cannot run for
+    the call (shared memory, a group split that does not divide the group).
+  head_dim 64 (two consumers 333.5 against 380.2 at 4K, mosaic_bwd_d64_variants_h200
+  .json, at 232 registers) and 256 (not supported): the Triton backward."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
   B, S, K, H = k.shape
   T = q.shape[1]
   grouped = q.shape[2] > K
-  config = backward_config(q, k, cfg)
+  config = backward_config(q, k, cfg, masks)
+  try:      # a caller's backward fields the kernels cannot run there: the Triton backward
+    _bwd.check_supported(q, k, k, config)
+  except NotImplementedError:
+    return "pallas"
+  filled = (not masks.is_causal
+            or _bwd.dkv_programs(B, K, S, config) >= _bwd.CAUSAL_MIN_PROGRAMS)
   rows = config.consumers * _bwd.ROWS          # keys per dK/dV program
-  filled = not masks.is_causal or B * K * -(-S // rows) >= CAUSAL_DKV_PROGRAMS
   # one key head per query head: only the timed config, on whole tiles (no HBM padding)
-  timed_mha = (config == _bwd.default_config(1) and min(T, S) >= MHA_MIN_SEQ
-               and T % rows == 0 and S % rows == 0)
+  timed_mha = (config == backward_config(q, k, cfg, masks, own_fields=False)
+               and min(T, S) >= MHA_MIN_SEQ and T % rows == 0 and S % rows == 0)
   return "mosaic_gpu" if H == 128 and (grouped or timed_mha) and filled else "pallas"
 
 
@@ -164,6 +176,7 @@ def backward(q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
   def bwd(q, k, v, out, lse, dout, dlse, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
     return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
-                               ops=ops, config=backward_config(q, k, cfg), interpret=interpret)
+                               ops=ops, config=backward_config(q, k, cfg, masks),
+                               interpret=interpret)
   return first_order_only(bwd, "the mosaic_gpu backward kernels")(
       q, k, v, out, lse, dout, dlse, masks)

@@ -197,12 +197,20 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   from jflash import mosaic_impl
   capability = mosaic_impl.device_capability
   try:
+    # (one consumer: the interpreter runs warp-specialised programs slowly)
     assert mosaic_check.main(["--backward", "--dry-run-cpu", "--backward-configs",
-                              '[{"backward_fused_dq": true}]']) == 0
+                              '[{"backward_fused_dq": true, "backward_consumers": 1}]']) == 0
+    out = capsys.readouterr().out
+    # A variant leaves out the checks whose GQA group its group_splits does not divide
+    # (here all three: groups 2, 1, 2), where the kernel would refuse the call.
+    assert mosaic_check.main(["--backward", "--dry-run-cpu", "--backward-configs",
+                              '[{"backward_group_splits": 4}]']) == 0
   finally:
     mosaic_impl.device_capability = capability
-  out = capsys.readouterr().out
-  assert "T=70 S=90 fused_dq" in out and "'ok': False" not in out
+  assert "T=70 S=90 consumers=1 fused_dq" in out and "'ok': False" not in out
+  left_out = capsys.readouterr().out
+  assert left_out.count("does not divide the GQA group") == 3 and "'name'" not in left_out
+  assert mosaic_check.leaves_out({"backward_group_splits": 2}, (2, 1, 70, 70, 4, 2, 64)) is None
   for bad, match in (('[{"backward_consumers": 3}]', "backward_consumers=3"),
                      ('[]', "non-empty"), ('[{"consumers": 2}]', "not backward fields"),
                      ('[{}, {}]', "repeats a variant")):

@@ -13,6 +13,8 @@ On the H200 it is checked by `python -m experiments.mosaic_check --backward`; he
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,14 +42,14 @@ def test_backward_choice_and_validation():
   assert kind(q, k, v) == "pallas"                                   # head_dim 64
   q128, k128, v128 = random_qkv((1, 64, 64, 2, 1, 128), jnp.bfloat16)[:3]
   assert kind(q128, k128, v128) == "mosaic_gpu"
-  assert kind(q128, k128, v128, is_causal=True) == "pallas"        # 1 x 1 x 1 programs
+  assert kind(q128, k128, v128, is_causal=True) == "pallas"        # 2 programs, split
   assert kind(q128, q128, q128) == "pallas"                         # one key head per head
   # ... from MHA_MIN_SEQ rows on, the Mosaic GPU backward with two consumers, when its
   # causal grid (128 keys per program) is large enough
   n = mosaic_impl.MHA_MIN_SEQ
   mha = jax.ShapeDtypeStruct((1, n, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(mha, mha, *jflash.prepare(q128, q128, q128)) == "mosaic_gpu"
-  assert mosaic_impl.backward_config(mha, mha, jflash.prepare(q128, q128, q128)[0]) == \
+  assert mosaic_impl.backward_config(mha, mha, *jflash.prepare(q128, q128, q128)) == \
       mb.BackwardConfig(consumers=2)
   short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(short, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
@@ -59,13 +61,45 @@ def test_backward_choice_and_validation():
     assert mosaic_impl.backward_kind(mha, mha, *own) == "pallas", untimed
   causal = jflash.prepare(q128, q128, q128, is_causal=True)
   assert mosaic_impl.backward_kind(mha, mha, *causal) == "pallas"    # 16 programs
-  wide = jax.ShapeDtypeStruct((64, n, 1, 128), jnp.bfloat16)        # 64 x 16 = 1024
-  assert mosaic_impl.backward_kind(wide, wide, *causal) == "mosaic_gpu"
-  S = 64 * mosaic_impl.CAUSAL_DKV_PROGRAMS
-  big_q = jax.ShapeDtypeStruct((1, S, 2, 128), jnp.bfloat16)
-  big_k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+  for batch, chosen in ((32, "mosaic_gpu"), (31, "pallas")):        # 32 x 16 = 512
+    wide = jax.ShapeDtypeStruct((batch, n, 1, 128), jnp.bfloat16)
+    assert mosaic_impl.backward_kind(wide, wide, *causal) == chosen, batch
+  # A causal grid of grouped heads too small unsplit takes the fewest group splits that
+  # fill it, or the Triton backward when splitting every head does not.
   cfg = jflash.prepare(q128, k128, v128, is_causal=True)
-  assert mosaic_impl.backward_kind(big_q, big_k, *cfg) == "mosaic_gpu"
+  for programs, splits, chosen in ((mb.CAUSAL_MIN_PROGRAMS // 2, 2, "mosaic_gpu"),
+                                   (mb.CAUSAL_MIN_PROGRAMS // 4, 2, "pallas"),
+                                   (mb.CAUSAL_MIN_PROGRAMS, 1, "mosaic_gpu")):
+    S = 128 * programs                       # key tiles of the two consumers' 128 rows
+    big_q = jax.ShapeDtypeStruct((1, S, 2, 128), jnp.bfloat16)
+    big_k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+    assert mosaic_impl.backward_config(big_q, big_k, *cfg).group_splits == splits
+    assert mosaic_impl.backward_kind(big_q, big_k, *cfg) == chosen, programs
+  mqa_q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)   # MQA 16/1 16K causal:
+  mqa_k = jax.ShapeDtypeStruct((1, 16384, 1, 128), jnp.bfloat16)    # 128 programs x 4
+  assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
+      consumers=2, group_splits=4)
+  assert mosaic_impl.backward_config(mqa_q, mqa_k, *jflash.prepare(q128, k128, v128)) == \
+      mb.BackwardConfig(consumers=2)                     # not causal: never split
+  # The split counts the caller's own consumers, stops where shared memory ends, and is
+  # the caller's when set; "auto" runs the Triton backward for fields that do not fit.
+  def causal_with(**fields):
+    return jflash.prepare(q128, k128, v128, is_causal=True,
+                          config=jflash.MosaicGPUConfig(**fields))
+  assert mosaic_impl.backward_config(mqa_q, mqa_k, *causal_with(
+      backward_consumers=1)).group_splits == 2                      # 256 programs x 2
+  assert mosaic_impl.backward_config(mqa_q, mqa_k, *causal_with(
+      backward_group_splits=2)).group_splits == 2
+  for fields in (dict(backward_fused_dq=True), dict(backward_block_n=128)):
+    config = mosaic_impl.backward_config(mqa_q, mqa_k, *causal_with(**fields))
+    assert config.group_splits == 1, fields           # a split's float32 tile: no room
+    assert mb.smem_bytes(128, 2, config) <= mf.SMEM_BYTES
+  too_big = causal_with(backward_block_n=256)                      # 2 x 256-row slots
+  assert mosaic_impl.backward_kind(mqa_q, mqa_k, *too_big) == "pallas"
+  q4, k4, v4 = random_qkv((1, 16, 16, 4, 1, 128), jnp.bfloat16)[:3]
+  mosaic_impl.check_call(q4, k4, v4, *jflash.prepare(
+      q4, k4, v4, is_causal=True, config=jflash.MosaicGPUConfig(backward_fused_dq=True)),
+      **HOPPER)
   assert kind(q128, k128, v128, config=jflash.MosaicGPUConfig(backward="pallas")) == "pallas"
   cfg, masks = jflash.prepare(q, k, v, config=MOSAIC_BWD)
   assert mosaic_impl.backward_kind(q, k, cfg, masks) == "mosaic_gpu"
@@ -76,7 +110,8 @@ def test_backward_choice_and_validation():
     mb.BackwardConfig(block_n=96)
   tiled = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_block_n=128))[0]
-  assert mosaic_impl.backward_config(q, k, tiled) == mb.BackwardConfig(block_n=128)
+  assert mosaic_impl.backward_config(q, k, tiled, masks) == mb.BackwardConfig(
+      consumers=2, block_n=128)
   assert mosaic_impl.kernel_config(q, tiled, masks) == mosaic_impl.kernel_config(q, cfg, masks)
   with pytest.raises(ValueError, match="semantics='auto'"):
     mb.BackwardConfig(semantics="auto")
@@ -92,7 +127,8 @@ def test_backward_choice_and_validation():
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
   fused = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_fused_dq=True))[0]
-  assert mosaic_impl.backward_config(q, k, fused) == mb.BackwardConfig(fused_dq=True)
+  assert mosaic_impl.backward_config(q, k, fused, masks) == mb.BackwardConfig(
+      consumers=2, fused_dq=True)
   # A combination that overflows shared memory is refused before it is compiled.
   for H in mb.HEAD_DIMS:
     for consumers in (1, 2):
@@ -104,6 +140,38 @@ def test_backward_choice_and_validation():
       backward="mosaic_gpu", backward_consumers=2, backward_block_n=256))
   with pytest.raises(NotImplementedError, match="shared memory"):
     mosaic_impl.check_call(q128, k128, v128, *big, **HOPPER)
+
+
+def test_group_splits_validation_and_limits():
+  for bad in (0, -1, True, 2.5):
+    with pytest.raises(ValueError, match=f"^group_splits={bad!r} must be a positive int"):
+      mb.BackwardConfig(group_splits=bad)
+    with pytest.raises(ValueError, match=f"^backward_group_splits={bad!r} must be"):
+      jflash.MosaicGPUConfig(backward_group_splits=bad)
+  q, k, v = random_qkv((1, 16, 16, 4, 2, 128), jnp.bfloat16)[:3]      # a group of 2
+  own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_group_splits=2))
+  assert mosaic_impl.backward_config(q, k, *own) == mb.BackwardConfig(consumers=2,
+                                                                       group_splits=2)
+  mosaic_impl.check_call(q, k, v, *own, **HOPPER)
+  for splits in (3, 4):     # the config alone does not know the group: the call's check
+    with pytest.raises(NotImplementedError, match=f"group_splits={splits} does not divide "
+                       "the GQA group of 2"):
+      mb.check_supported(q, k, v, mb.BackwardConfig(group_splits=splits))
+  bad = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_group_splits=4))
+  with pytest.raises(NotImplementedError, match="group_splits=4 does not divide"):
+    mosaic_impl.check_call(q, k, v, *bad, **HOPPER)
+  # Each consumer's float32 tile of partial dK / dV: it fits beside the default tiles,
+  # but not beside fused_dq's with two consumers at head_dim 128.
+  for H in mb.HEAD_DIMS:
+    for consumers in (1, 2):
+      split = mb.BackwardConfig(consumers=consumers, group_splits=2)
+      assert mb.smem_bytes(H, 2, split) == mb.smem_bytes(
+          H, 2, mb.BackwardConfig(consumers=consumers)) + consumers * mb.ROWS * H * 4
+      assert mb.smem_bytes(H, 2, split) <= mf.SMEM_BYTES
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    mb.check_supported(q, k, v, mb.BackwardConfig(consumers=2, fused_dq=True, group_splits=2))
 
 
 def test_head_dim_256_is_refused_only_with_the_mosaic_backward():
@@ -169,6 +237,19 @@ def test_lowers_warp_specialised(H):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
 
 
+def test_warp_specialised_kernels_take_the_backward_register_split():
+  """Both kernels' consumers get CONSUMER_REGISTERS and the producer the rest of the
+  launch's pool of three warpgroups (3 x 168 = 2 x 240 + 24)."""
+  from tests.test_mosaic import _kernel_module
+  lowered = _lowered(128, MaskOptions(is_causal=True), config=mb.BackwardConfig(consumers=2))
+  modules = re.findall(r'module = "(?:[^"\\]|\\.)*"', lowered)
+  assert len(modules) == 2                                       # dK/dV, dQ
+  for module in modules:
+    text = _kernel_module(module)
+    counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", text))
+    assert counts == [24, mb.CONSUMER_REGISTERS] == [24, 240]
+
+
 @pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
 def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
   """fused_dq: one kernel (dK/dV, adding dQ with the copy engine's reduce-add), every
@@ -176,6 +257,19 @@ def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
   config = mb.BackwardConfig(consumers=consumers, fused_dq=True)
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("H,consumers,fused_dq", [(128, 1, False), (128, 2, False),
+                                                   (64, 2, True)])
+def test_lowers_with_group_splits(H, consumers, fused_dq):
+  """group_splits = 2 with GQA 8/2: a key tile's two programs (the grid's split axis) run
+  two query heads each and store float32 partial dK and dV ([B, 2, Sp, K, H]) from a
+  float32 shared-memory tile; every mask path."""
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mb.BackwardConfig(consumers=consumers, fused_dq=fused_dq, group_splits=2)
+  text = _lowered(H, opts, with_masks=True, config=config, N=8, K=2)
+  assert text.count("@mosaic_gpu") == (1 if fused_dq else 2)
+  assert f"tensor<2x2x384x2x{H}xf32>" in text      # B = 2, S = 330 padded to 384
 
 
 def test_dq_in_the_dkv_kernel_lowers_inside_a_differentiated_program(monkeypatch):
@@ -241,6 +335,56 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
+@pytest.mark.parametrize("consumers,group_splits,fused_dq", [(1, 2, False), (1, 4, False),
+                                                             (2, 2, True)])
+def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
+  """MQA (four query heads, one key head), causal, T = 130 and S = 100 (rows past S see
+  every key; partial last tiles on both sides): each key tile's 2 or 4 programs run
+  their own query heads (the stream's and the producer's head order restricted to
+  them) and store float32 partial dK, dV, summed after the kernel. Two consumers with
+  dQ in the dK/dV kernel, whose adds the split leaves as they are (and one dQ kernel
+  the fewer: the interpreter runs warp-specialised programs slowly)."""
+  q, k, v, do = random_qkv((1, 130, 100, 4, 1, 64), jnp.bfloat16, seed=9)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.BackwardConfig(consumers=consumers, fused_dq=fused_dq, group_splits=group_splits)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  assert [(g.shape, g.dtype) for g in got] == [(x.shape, x.dtype) for x in (q, k, v)]
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
+def test_interpreted_default_backward_splits_a_small_causal_group():
+  """The adapter's default for a causal MQA call too small to fill the GPU: two
+  consumers, a producer, the group split over every head (2 programs per key tile),
+  and the separate dQ kernel; gradients through jflash's custom_vjp within the rule."""
+  q, k, v, do = random_qkv((1, 64, 72, 2, 1, 64), jnp.bfloat16, seed=10)
+  impl = api.get_implementation("mosaic_gpu")
+  cfg, masks = jflash.prepare(q, k, v, is_causal=True,
+                              config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
+  assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
+      consumers=2, group_splits=2)
+  got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
+  _check_grads(got, q, k, v, do, is_causal=True)
+
+
+def test_interpreted_group_splits_add_up_to_one_program():
+  """dK, dV of two programs per key tile (float32 partial sums added after the kernel)
+  against one program's (the same float32 sums in another order): equal within the
+  rounding floor of the 2x rule; dQ, from the same dQ kernel, to the bit. Causal with
+  T = 100 < S = 130: no query sees the last key tile, whose programs store zeros."""
+  q, k, v, do = random_qkv((1, 100, 130, 4, 1, 64), jnp.bfloat16, seed=10)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  one, split = ([np.asarray(g, np.float32) for g in mb.flash_backward(
+      q, k, v, out, lse, do, scale=0.125, opts=MaskOptions(is_causal=True), interpret=True,
+      config=mb.BackwardConfig(group_splits=splits))] for splits in (1, 2))
+  assert (split[0] == one[0]).all()
+  for a, b in zip(split[1:], one[1:]):
+    assert max_err(a, b) <= error_floor(q.dtype, b, 100 * 4), max_err(a, b)
+    assert (a[:, 100:] == 0).all()
+
+
 @pytest.mark.parametrize("consumers,fused_dq", [(None, None), (1, None), (None, True)])
 def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq):
   """The Mosaic GPU backward through jflash's custom_vjp (forward and backward, both
@@ -263,8 +407,8 @@ def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq)
                                   backward_fused_dq=fused_dq)
   cfg, masks = jflash.prepare(q, k, v, config=config, **kw)
   # one key head per query head: two consumers unless the caller says otherwise
-  assert mosaic_impl.backward_config(q, k, cfg).consumers == (consumers or 2)
-  assert mosaic_impl.backward_config(q, k, cfg).fused_dq == bool(fused_dq)
+  assert mosaic_impl.backward_config(q, k, cfg, masks).consumers == (consumers or 2)
+  assert mosaic_impl.backward_config(q, k, cfg, masks).fused_dq == bool(fused_dq)
   calls = []
   kernel = mb.flash_backward
   monkeypatch.setattr(mb, "flash_backward", lambda *a, **k: calls.append(1) or kernel(*a, **k))

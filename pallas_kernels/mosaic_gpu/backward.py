@@ -11,8 +11,8 @@ cotangent (`backward_statistics`, shared with the Triton kernels).
 
 Two kernels, each program one warpgroup (`BackwardConfig()`; M = 64 rows of every
 warpgroup matrix product) or two and a producer (`consumers=2`, warp-specialised;
-jflash's adapter starts from `default_config`, which takes two with one key head per
-query head) that loads its
+jflash's adapter starts from `call_config`, which takes two and splits a causal
+call's GQA group over more dK/dV programs when its grid is small) that loads its
 tiles with bulk tensor copies (TMA): the program's fixed operands once, the streamed
 ones double-buffered (the next tile's copies are issued before this tile's products).
 With `BackwardConfig.fused_dq` the dK/dV kernel also adds each tile's dQ to a float32
@@ -26,6 +26,9 @@ does not run:
   dK += dS'^T Q as register operands straight from the accumulator. The dV product is
   issued right behind dP^T and runs while dS'^T is computed (FlashAttention-3's
   backward overlap). dK/dV sum in accumulator registers: no atomics, deterministic.
+  With `BackwardConfig.group_splits` > 1 the grid is (key tiles, key heads,
+  group_splits, batch): each of a key tile's programs loops over its own share of the
+  group's query heads and writes float32 partial dK, dV, summed after the kernel.
 - dQ: grid over (query tiles, query heads, batch), looping over the visited key tiles:
   S = Q K^T and dP = dO V^T issued back to back, then dQ += dS' K.
 
@@ -49,13 +52,22 @@ from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_SLACK, TMA_ROWS,
-                                               MosaicConfig, _load_vector, _plgpu,
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
+                                               TMA_ROWS, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
                                                compiler_params, pad_axis)
 
 HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
+# Registers per consumer thread of the warp-specialised kernels after setmaxnreg:
+# FlashAttention-3's backward split, 240 / 240 / 24 (the producer keeps setmaxnreg's
+# floor; the forward's record checks the split). A dK/dV consumer holds dK and dV (64
+# + 64 registers at d = 128) beside the tile's S^T, dP^T and their bf16 copies, and
+# ptxas spilled it at the forward's 232. On the H200, fwd+bwd TF/s in one device call
+# (two processes; mosaic_bwd_regs240_h200.log against mosaic_bwd_regs232_h200.log) at
+# 16K d128: 527.5 against 490.1, causal 505.5 against 470.4, MQA 16/1 545.8 against
+# 500.4.
+CONSUMER_REGISTERS = 240
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +82,8 @@ class BackwardConfig:
   consumers: warpgroups that compute, each owning 64 rows of the program's fixed
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
     tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
-    through `stages` slots (FlashAttention-3's warp specialisation). Both correct on
-    the H200; which is faster depends on the GQA group (`default_config`).
+    through `stages` slots (FlashAttention-3's warp specialisation), the consumers at
+    CONSUMER_REGISTERS. Both correct on the H200; two the faster (`call_config`).
   fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
     tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
     product there, and the copy engine adds it to a float32 dQ in global memory (bulk
@@ -79,10 +91,18 @@ class BackwardConfig:
     products per tile pair, not seven) and the dQ kernel does not run. The order of
     the float adds into dQ varies between runs: not bit-identical on repeat, which
     the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
-    d = 128 fwd+bwd 389 TF/s with two consumers against 457 with the Triton
-    backward, in one run): ptxas serialises its matrix products for want of
-    registers and spills (experiments/results/ptxas_h200/: the dQ result beside the
-    dK and dV accumulators does not fit a consumer's 232 registers).
+    d = 128 fwd+bwd 441.7 TF/s with two consumers at CONSUMER_REGISTERS against 527.5
+    without it and 464.7 with the Triton backward, in one process,
+    mosaic_bwd_regs240_h200.log): at 232 registers ptxas serialised its matrix
+    products for want of registers and spilled (experiments/results/ptxas_h200/: the
+    dQ result beside the dK and dV accumulators did not fit).
+  group_splits: programs per key tile of the dK/dV kernel, each looping over its own
+    share of the GQA group's G query heads (program s of group_splits = n runs heads
+    [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
+    few programs (MQA 16/1 at 16K: 128 of two consumers) then fills the GPU, where one wave lasts as
+    long as its heaviest program. Each program stores float32 partial dK and dV and
+    flash_backward sums them (in a fixed order: still deterministic). Must divide
+    the call's group (NotImplementedError otherwise, `check_supported`).
   """
 
   block_n: int = 64
@@ -90,6 +110,7 @@ class BackwardConfig:
   consumers: int = 1
   stages: int = 2
   fused_dq: bool = False
+  group_splits: int = 1
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -102,6 +123,9 @@ class BackwardConfig:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
     if not isinstance(self.fused_dq, bool):
       raise ValueError(f"fused_dq={self.fused_dq!r} must be a bool")
+    if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
+        or self.group_splits < 1:
+      raise ValueError(f"group_splits={self.group_splits!r} must be a positive int")
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
       # double its accumulator registers, on top of dK and dV's).
@@ -109,36 +133,73 @@ class BackwardConfig:
                        f"block_n={self.block_n}")
 
 
-# Consumer warpgroups per program by GQA group size, from fwd+bwd timings on the H200
-# (bf16, head_dim 128): with one key head per query head two consumers and a producer
-# (warp specialisation) ran ahead of one warpgroup (16K d128 486.9 against 470.5 TF/s,
-# mosaic_backward_check_h200_ws.json) and of the Triton backward from 4K on (+5.4 to
-# +7.0% at 4K, +0.6 to +5.7% at 16K; 1K -1.5 and -3.4%; mosaic_fused_dq_cols_time_h200
-# .json); with grouped heads one warpgroup per program was the faster (GQA 32/8 8K
-# 497.7 against 489.0, causal 478.6 against 445.5; MQA 16/1 16K causal 411.7 against
-# 323.0).
-def default_config(group: int) -> BackwardConfig:
-  """The backward's config for a GQA group of `group` query heads per key head."""
-  return BackwardConfig(consumers=2 if group == 1 else 1)
+# Two consumer warpgroups and a producer per program (warp specialisation), from fwd+bwd
+# timings on the H200 (bf16, head_dim 128) at the consumers' CONSUMER_REGISTERS: ahead
+# of one warpgroup per program with one key head per query head (16K d128 486.9
+# against 470.5 TF/s at the forward's 232 registers, mosaic_backward_check_h200_ws.json)
+# and, at 240, with grouped heads too (mosaic_backward_consumers_regs240_h200.json:
+# GQA 32/8 8K 526.3 against 508.5, causal 500.8 against 483.3; MQA 16/1 16K 553.4
+# against 520.4).
+#
+# A causal dK/dV grid of few programs lasts as long as its heaviest (the key tile
+# whose rows every query sees), so a causal call whose grid has fewer than
+# CAUSAL_MIN_PROGRAMS programs splits its GQA group over more (`group_splits`, the
+# fewest that reach it): MQA 16/1 16K causal, 128 programs, ran 385.9 TF/s unsplit and
+# 523.5 in 4 x 128 (the same file), where GQA 32/8 8K causal, 512 programs unsplit,
+# ran 500.8 against 491.8 split in four.
+CAUSAL_MIN_PROGRAMS = 512
+
+
+def dkv_programs(B: int, K: int, S: int, config: BackwardConfig) -> int:
+  """Programs of the dK/dV grid: batch x key heads x key tiles x group splits."""
+  return B * K * -(-S // (config.consumers * ROWS)) * config.group_splits
+
+
+def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
+  """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
+  caller's BackwardConfig `fields` over two consumers; for a causal call whose dK/dV
+  grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the
+  caller's, the fewest splits of its GQA group (N / K query heads) that reach it, or
+  the most that fit shared memory. (Under jax.vmap, B is one problem's batch: the
+  grid is then larger than counted, and the split at most larger than needed.)"""
+  B, S, K, H = k_shape
+  group = q_shape[2] // K
+  config = BackwardConfig(**{"consumers": 2, **fields})
+  if causal and "group_splits" not in fields:
+    for splits in (d for d in range(2, group + 1) if group % d == 0):
+      if dkv_programs(B, K, S, config) >= CAUSAL_MIN_PROGRAMS:
+        break
+      split = dataclasses.replace(config, group_splits=splits)
+      if smem_bytes(H, itemsize, split) > SMEM_BYTES:
+        break
+      config = split
+  return config
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
   fixed 64-row tiles and the two streamed operands' slots, plus the forward's slack
   for barriers and alignment; with `fused_dq`, each consumer's dS' tile and its float32
-  dQ tile on the way to global memory."""
+  dQ tile on the way to global memory; with `group_splits` > 1, each consumer's
+  float32 tile of partial dK, then dV, on the way to global memory."""
   slots = 2 if config.consumers == 1 else config.stages
   fixed = config.consumers * 2 * ROWS * head_dim * itemsize
   streamed = slots * 2 * config.block_n * head_dim * itemsize
   dq = 0
   if config.fused_dq:
     dq = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
-  return fixed + streamed + dq + SMEM_SLACK
+  partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
+  return fixed + streamed + dq + partial + SMEM_SLACK
 
 
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
+  group = q.shape[2] // k.shape[2]
+  if group % config.group_splits:
+    raise NotImplementedError(
+        f"group_splits={config.group_splits} does not divide the GQA group of {group} "
+        f"query heads per key head ({q.shape[2]} query heads, {k.shape[2]} key heads)")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
@@ -355,8 +416,8 @@ def _warp_specialised(wg, consumers, produce, consume):
   """Warpgroup `consumers` runs `produce` with a small register file; the others run
   `consume(wg)` with the registers it gives up (setmaxnreg)."""
   plgpu = _plgpu()
-  # The forward's split for the same count of warpgroups (its record holds the rule).
-  consumer_registers, producer_registers = MosaicConfig(consumers=consumers).register_split()
+  consumer_registers, producer_registers = MosaicConfig(
+      consumers=consumers, consumer_registers=CONSUMER_REGISTERS).register_split()
 
   @pl.when(wg == consumers)
   def _():
@@ -370,13 +431,14 @@ def _warp_specialised(wg, consumers, produce, consume):
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, fused_dq=False):
-  """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads and
-  the visited query tiles (S^T = K Q^T, so each tile is [keys, queries]). One
-  consumer: the program's one warpgroup streams its own query tiles (double
-  buffering). Two: each consumer warpgroup owns 64 keys, and a producer warpgroup
-  streams the query tiles both read (`_Pipeline`). `fused_dq`: each tile also adds
-  dS' K to the float32 dQ in global memory (`BackwardConfig.fused_dq`)."""
+                stages, group_splits=1, fused_dq=False):
+  """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
+  the program's share of them, `group_splits`) and the visited query tiles (S^T =
+  K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
+  streams its own query tiles (double buffering). Two: each consumer warpgroup owns 64
+  keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
+  `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
+  (`BackwardConfig.fused_dq`)."""
   plgpu = _plgpu()
   r = dict(zip(names, refs))
   bk = ROWS
@@ -385,8 +447,16 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   mm = _Products(interpret, r.get("acc"))
   iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
   along_queries = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
-  head = lambda g: kv_head * group + g
-  # Query tiles stream in the loop order: every visited tile of head 0, then head 1, ...
+  own = group // group_splits       # query heads per program
+
+  def head(g):
+    """The query head that is the program's g-th (g < own): program `split` of its key
+    tile's group_splits runs the group's heads [split * own, (split + 1) * own)."""
+    if group_splits > 1:
+      g = lax.axis_index("split") * own + g
+    return kv_head * group + g
+  # Query tiles stream in the loop order: every visited tile of the program's first
+  # head, then of its second, ...
   srcs = [lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
           lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]]
   ranges = r["ranges"]
@@ -462,16 +532,24 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
         release(t)
       return carry
 
-    # The group's query heads run as a loop of the program (its size does not grow with
-    # the group); their dK/dV sum in the same accumulators.
+    # The program's query heads run as a loop of the program (its size does not grow
+    # with the group); their dK/dV sum in the same accumulators.
     def heads(dk_acc, dv_acc):
-      lax.fori_loop(0, group, lambda g, c: visit_tiles(
+      lax.fori_loop(0, own, lambda g, c: visit_tiles(
           (lo, full_lo, full_hi, hi),
           functools.partial(body, g=g, dk_acc=dk_acc, dv_acc=dv_acc), c), 0)
 
     dk, dv = mm.accumulators((bk, H), 2, heads, wg)
-    _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
-    _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+    if group_splits == 1:
+      _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
+      _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+      return
+    # Partial sums over the program's heads, summed over the splits by flash_backward:
+    # float32 through a float32 tile, so that only the total is rounded to the input
+    # dtype (k_smem and v_smem would round each partial).
+    split, partial = lax.axis_index("split"), r["partial_smem"].at[wg]
+    _store_tile(dk * scale, partial, r["dk"].at[b, split, keys, kv_head])
+    _store_tile(dv, partial, r["dv"].at[b, split, keys, kv_head])
 
   if consumers == 1:
     stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
@@ -479,7 +557,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     def before(t, i, g, lo, hi):         # copy the next tile into the other slot
       slot = lax.rem(t, 2)
       pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
-      pl.when((i + 1 == hi) & (g + 1 < group))(lambda: stream.start(1 - slot, lo, g + 1))
+      pl.when((i + 1 == hi) & (g + 1 < own))(lambda: stream.start(1 - slot, lo, g + 1))
     tiles = (lambda lo: stream.start(0, lo, 0), before,
              lambda t: stream.wait(lax.rem(t, 2)), None)
     fixed = r["fixed_loaded"]
@@ -494,7 +572,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
     def load(t, _):
       pipe.produce(t, lo + lax.rem(t, per_head), lax.div(t, per_head))
-    total = group * per_head
+    total = own * per_head          # the consumers' order: head by head, as `heads`
     lax.fori_loop(0, total, load, None)
     pipe.drain(total)
 
@@ -624,6 +702,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
   swizzled = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 64)),
                               plgpu.SwizzleTransform(128)))
+  # float32 tiles on their way to global memory: 32 columns make the swizzle's 128-byte
+  # rows, as 64 do at 2 bytes
+  swizzled32 = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 32)),
+                                plgpu.SwizzleTransform(128)))
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -631,11 +713,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
   C, stages = config.consumers, config.stages
 
-  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None):
+  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
+           partials=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
     padded query length of the float32 dQ the kernel adds to; returns it after the
-    outputs."""
+    outputs. partials: the outputs are float32 partial sums (`group_splits`), stored
+    from a float32 tile of each consumer's fixed rows."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 else (C, fixed_rows, H)
@@ -651,6 +735,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       threads = dict(num_threads=C + 1, thread_name="wg")
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
       scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
+    if partials:
+      scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **swizzled32)
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
@@ -668,8 +754,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
     scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, transforms=(
-        plgpu.TilingTransform((TMA_ROWS, 32)), plgpu.SwizzleTransform(128)))  # 128-byte rows
+    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **swizzled32)
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
@@ -724,12 +809,22 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq, bk = config.block_n, C * ROWS
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
+  splits = config.group_splits
+  grid, grid_names = (Sp // bk, K, B), ("kv", "heads", "batch")
   kv_type = jax.ShapeDtypeStruct((B, Sp, K, H), k.dtype)
-  dkv = call(functools.partial(_dkv_kernel, bq=bq), (Sp // bk, K, B),
-             ("kv", "heads", "batch"), x, ranges, (("k_smem", "v_smem"), ROWS),
-             (("q_smem", "do_smem"), bq), [kv_type, kv_type],
-             dq_rows=Tp if config.fused_dq else None)
+  if splits > 1:
+    # A key tile's programs side by side, each with float32 partial dK and dV of its
+    # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis and the leading
+    # axis of every output, as the in-place launch's batching rule (fused_dq) takes it.
+    grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
+    kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
+  dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits), grid, grid_names,
+             x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
+             [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
+             partials=splits > 1)
   dk, dv = dkv[:2]
+  if splits > 1:      # in a fixed order, rounded once
+    dk, dv = (d.sum(1).astype(k.dtype) for d in (dk, dv))
   if config.fused_dq:
     return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
