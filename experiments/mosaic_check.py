@@ -398,11 +398,9 @@ def leaves_out(fields, shape):
   """Why a variant leaves out a check of `shape` (..., N, K, H), or None: the kernel
   refuses a GQA group N / K that the variant's backward_group_splits does not divide
   (NotImplementedError), which is the variant's limit, not a failed check."""
-  splits = (fields or {}).get("backward_group_splits") or 1
-  group = shape[-3] // shape[-2]
-  if group % splits:
-    return f"group_splits={splits} does not divide the GQA group of {group}"
-  return None
+  from pallas_kernels.mosaic_gpu.backward import group_split_error
+  return group_split_error(shape[-3] // shape[-2],
+                           (fields or {}).get("backward_group_splits") or 1)
 
 
 # The forward's cases that are not in the backward check as it ran on the H200
@@ -612,16 +610,18 @@ def main_backward(args):
       for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
         if args.only and args.only not in name:
           continue
-        if leaves_out(fields, shape):
-          left_out.append(f"{name}{suffix}: {leaves_out(fields, shape)}")
+        why = leaves_out(fields, shape)
+        if why:
+          left_out.append(f"{name}{suffix}: {why}")
           continue
         checks.append(check_backward_case(name + suffix, shape, dtype, kw, seed=i,
                                           fields=fields))
         print(checks[-1], flush=True)
       for check, shape in ((check_backward_nan, BACKWARD_NAN_SHAPE),
                            (check_backward_vmap, BACKWARD_VMAP_SHAPE)):
-        if leaves_out(fields, shape):
-          left_out.append(f"{check.__name__}{suffix}: {leaves_out(fields, shape)}")
+        why = leaves_out(fields, shape)
+        if why:
+          left_out.append(f"{check.__name__}{suffix}: {why}")
           continue
         checks.append(check(shape, fields=fields))
         checks[-1]["name"] += suffix

@@ -252,11 +252,20 @@ def test_lowers_persistent(causal):
 
 
 def _kernel_module(lowered: str) -> str:
-  """The Mosaic GPU module inside a lowered program (its custom call carries it as
+  """The first Mosaic GPU module inside a lowered program, printed as text."""
+  return _kernel_modules(lowered)[0]
+
+
+def _kernel_modules(lowered: str) -> list[str]:
+  """Every Mosaic GPU module inside a lowered program (each custom call carries one as
   MLIR bytecode), printed as text."""
+  return [_print_module(raw) for raw in re.findall(r'module = "((?:[^"\\]|\\.)*)"', lowered)]
+
+
+def _print_module(raw: str) -> str:
+  """One module's MLIR bytecode, escaped as the lowered text carries it, as text."""
   from jax._src.interpreters import mlir
   from jax._src.lib.mlir import ir
-  raw = re.search(r'module = "((?:[^"\\]|\\.)*)"', lowered).group(1)
   data, i = bytearray(), 0
   while i < len(raw):                  # MLIR's string escapes: \\, \" and \XX (hex)
     if raw[i] != "\\":

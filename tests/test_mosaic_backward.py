@@ -240,12 +240,11 @@ def test_lowers_warp_specialised(H):
 def test_warp_specialised_kernels_take_the_backward_register_split():
   """Both kernels' consumers get CONSUMER_REGISTERS and the producer the rest of the
   launch's pool of three warpgroups (3 x 168 = 2 x 240 + 24)."""
-  from tests.test_mosaic import _kernel_module
+  from tests.test_mosaic import _kernel_modules
   lowered = _lowered(128, MaskOptions(is_causal=True), config=mb.BackwardConfig(consumers=2))
-  modules = re.findall(r'module = "(?:[^"\\]|\\.)*"', lowered)
+  modules = _kernel_modules(lowered)
   assert len(modules) == 2                                       # dK/dV, dQ
-  for module in modules:
-    text = _kernel_module(module)
+  for text in modules:
     counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", text))
     assert counts == [24, mb.CONSUMER_REGISTERS] == [24, 240]
 

@@ -99,8 +99,8 @@ class BackwardConfig:
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
-    few programs (MQA 16/1 at 16K: 128 of two consumers) then fills the GPU, where one wave lasts as
-    long as its heaviest program. Each program stores float32 partial dK and dV and
+    few programs (MQA 16/1 at 16K: 128 of two consumers) then fills the GPU, where one
+    wave lasts as long as its heaviest program. Each program stores float32 partial dK and dV and
     flash_backward sums them (in a fixed order: still deterministic). Must divide
     the call's group (NotImplementedError otherwise, `check_supported`).
   """
@@ -192,14 +192,21 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   return fixed + streamed + dq + partial + SMEM_SLACK
 
 
+def group_split_error(group: int, splits: int) -> str | None:
+  """Why `splits` programs cannot share a GQA group of `group` query heads, or None:
+  each program runs group / splits of them."""
+  if group % splits:
+    return f"group_splits={splits} does not divide the GQA group of {group}"
+  return None
+
+
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
-  group = q.shape[2] // k.shape[2]
-  if group % config.group_splits:
-    raise NotImplementedError(
-        f"group_splits={config.group_splits} does not divide the GQA group of {group} "
-        f"query heads per key head ({q.shape[2]} query heads, {k.shape[2]} key heads)")
+  why = group_split_error(q.shape[2] // k.shape[2], config.group_splits)
+  if why:
+    raise NotImplementedError(f"{why} query heads per key head ({q.shape[2]} query heads, "
+                              f"{k.shape[2]} key heads)")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
