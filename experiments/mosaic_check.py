@@ -81,6 +81,12 @@ def cases():
   seg = np.repeat(np.arange(5), 205)[None, :1024]
   out.append(("segments + soft cap d128 causal", (1, 1024, 1024, 4, 4, 128), bf16,
               dict(is_causal=True, segment_ids=jnp.asarray(seg, jnp.int32), logits_soft_cap=20.0)))
+  seg2 = np.repeat(np.repeat(np.arange(5), 205)[None, :1000], 2, axis=0)
+  out.append(("window + segments + soft cap + kv lengths d256 fp16 causal",
+              (2, 1000, 1000, 4, 2, 256), f16,
+              dict(is_causal=True, local_window_size=(300, 0), logits_soft_cap=20.0,
+                   segment_ids=jnp.asarray(seg2, jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([1000, 777], jnp.int32))))
   out.append(("lengths q [0, 700] kv [513, 1000] d128", (2, 1000, 1000, 4, 2, 128), bf16,
               dict(query_seq_lengths=jnp.asarray([0, 700], jnp.int32),
                    key_value_seq_lengths=jnp.asarray([513, 1000], jnp.int32))))
@@ -395,12 +401,20 @@ def _field_parts(fields):
 
 
 def leaves_out(fields, shape):
-  """Why a variant leaves out a check of `shape` (..., N, K, H), or None: the kernel
-  refuses a GQA group N / K that the variant's backward_group_splits does not divide
-  (NotImplementedError), which is the variant's limit, not a failed check."""
-  from pallas_kernels.mosaic_gpu.backward import group_split_error
-  return group_split_error(shape[-3] // shape[-2],
-                           (fields or {}).get("backward_group_splits") or 1)
+  """Why a variant leaves out a check of `shape` (..., B, T, S, N, K, H), or None: the
+  kernels refuse the variant's config for that call (NotImplementedError: e.g. a GQA
+  group N / K that its backward_group_splits does not divide, or one consumer at a head
+  dim split by role), which is the variant's limit, not a failed check."""
+  from pallas_kernels.mosaic_gpu import backward as mb
+  B, T, S, N, K, H = shape[-6:]
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+  try:
+    mb.check_supported(q, k, k, mb.call_config(
+        q.shape, k.shape, 2, causal=False, **mosaic_backward(fields).backward_fields()))
+  except NotImplementedError as e:
+    return str(e)
+  return None
 
 
 # The forward's cases that are not in the backward check as it ran on the H200
@@ -515,8 +529,10 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("16K d128", 1, 16384, 16, 16, 128),
     ("4K d128 LM", 4, 4096, 8, 8, 128),    # the decoder LM's attention (seq_scaling --parts lm)
     ("2K d128", 8, 2048, 16, 16, 128),     # MHA_MIN_SEQ of the "auto" backward rule
+    ("8K d128 8 heads", 1, 8192, 8, 8, 128),  # causal: a dK/dV grid of 512 programs
     ("1K d128", 16, 1024, 16, 16, 128),
     ("4K d64", 4, 4096, 32, 32, 64),
+    ("4K d256", 4, 4096, 8, 8, 256),
     ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
     ("MQA 16/1 16K d128", 1, 16384, 16, 1, 128),
 ]

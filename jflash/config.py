@@ -137,7 +137,7 @@ class MosaicGPUConfig(BackendConfig):
       rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
-      (pallas_kernels/mosaic_gpu/backward.py), head_dim 64 or 128.
+      (pallas_kernels/mosaic_gpu/backward.py), head_dim 64, 128 or 256.
     backward_block_n: whenever the Mosaic GPU backward runs, the N of each of its
       kernels' first products (query rows per tile of the dK/dV kernel, key rows per
       tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.

@@ -211,6 +211,8 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   left_out = capsys.readouterr().out
   assert left_out.count("does not divide the GQA group") == 3 and "'name'" not in left_out
   assert mosaic_check.leaves_out({"backward_group_splits": 2}, (2, 1, 70, 70, 4, 2, 64)) is None
+  assert "head_dim=256 runs two consumers" in mosaic_check.leaves_out(
+      {"backward_consumers": 1}, (1, 1024, 1024, 4, 4, 256))
   for bad, match in (('[{"backward_consumers": 3}]', "backward_consumers=3"),
                      ('[]', "non-empty"), ('[{"consumers": 2}]', "not backward fields"),
                      ('[{}, {}]', "repeats a variant")):

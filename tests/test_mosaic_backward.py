@@ -164,21 +164,32 @@ def test_group_splits_validation_and_limits():
     mosaic_impl.check_call(q, k, v, *bad, **HOPPER)
   # Each consumer's float32 tile of partial dK / dV: it fits beside the default tiles,
   # but not beside fused_dq's with two consumers at head_dim 128.
-  for H in mb.HEAD_DIMS:
+  for H in (64, 128):
     for consumers in (1, 2):
       split = mb.BackwardConfig(consumers=consumers, group_splits=2)
       assert mb.smem_bytes(H, 2, split) == mb.smem_bytes(
           H, 2, mb.BackwardConfig(consumers=consumers)) + consumers * mb.ROWS * H * 4
       assert mb.smem_bytes(H, 2, split) <= mf.SMEM_BYTES
+  # at head_dim 256 (split by role) the float32 tiles of 64 x 256 do not fit
+  assert mb.smem_bytes(256, 2, mb.BackwardConfig(consumers=2)) <= mf.SMEM_BYTES
+  assert mb.smem_bytes(256, 2, mb.BackwardConfig(consumers=2, group_splits=2)) > mf.SMEM_BYTES
   with pytest.raises(NotImplementedError, match="shared memory"):
     mb.check_supported(q, k, v, mb.BackwardConfig(consumers=2, fused_dq=True, group_splits=2))
 
 
-def test_head_dim_256_is_refused_only_with_the_mosaic_backward():
-  q, k, v = random_qkv((1, 16, 16, 1, 1, 256), jnp.bfloat16)[:3]
-  mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **HOPPER)
-  with pytest.raises(NotImplementedError, match="backward supports head_dim"):
-    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
+def test_head_dim_256_runs_by_role_with_two_consumers_only():
+  """At head_dim 256 dK and dV of a consumer's 64 keys would take 256 registers: the
+  dK/dV kernel's two consumers hold one each (`by_role`), so one warpgroup, fused dQ,
+  and a group split (two float32 tiles of 64 x 256) are refused."""
+  assert [mb.by_role(H) for H in mb.HEAD_DIMS] == [False, False, True]
+  q, k, v = random_qkv((1, 16, 16, 2, 1, 256), jnp.bfloat16)[:3]
+  mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
+  for fields, why in ((dict(backward_consumers=1), "consumers=1"),
+                      (dict(backward_fused_dq=True), "fused_dq=True"),
+                      (dict(backward_group_splits=2), "shared memory")):
+    own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
+    with pytest.raises(NotImplementedError, match=why):
+      mosaic_impl.check_call(q, k, v, *own, **HOPPER)
   with pytest.raises(NotImplementedError, match="no dense mask"):
     mb.flash_backward(q, k, v, q, None, q, scale=1.0,
                       ops=MaskOperands(mask=jnp.ones((1, 1, 16, 16), bool)))
@@ -212,7 +223,8 @@ def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
 @pytest.mark.parametrize("H", mb.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_to_mosaic_gpu(H, causal):
-  assert _lowered(H, MaskOptions(is_causal=causal)).count("@mosaic_gpu") == 2   # dK/dV, dQ
+  config = mb.BackwardConfig(consumers=2) if mb.by_role(H) else None
+  assert _lowered(H, MaskOptions(is_causal=causal), config=config).count("@mosaic_gpu") == 2
 
 
 @pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
@@ -235,6 +247,17 @@ def test_lowers_warp_specialised(H):
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
   config = mb.BackwardConfig(consumers=2)
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 2
+
+
+def test_head_dim_256_kernels():
+  """The dK/dV kernel split by role runs two consumers at CONSUMER_REGISTERS and a
+  producer; the dQ kernel one warpgroup (no register reallocation)."""
+  from tests.test_mosaic import _kernel_modules
+  dkv, dq = _kernel_modules(_lowered(256, MaskOptions(is_causal=True),
+                                     config=mb.BackwardConfig(consumers=2)))
+  counts = lambda text: sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)",
+                                                          text))
+  assert counts(dkv) == [24, 240] and counts(dq) == []
 
 
 def test_warp_specialised_kernels_take_the_backward_register_split():
@@ -334,6 +357,21 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
+def test_interpreted_by_role_gqa_causal_with_tails():
+  """head_dim 256: one consumer accumulates dK and passes P^T through two shared-memory
+  slots to the other, which accumulates dV (`by_role`); GQA 4/2 (the head loop), causal
+  with T = 70 < S = 150, so the last key tile sees no query (dK = dV = 0, and the dV
+  consumer stores through V's tile with no tile visited); the dQ kernel one warpgroup."""
+  q, k, v, do = random_qkv((1, 70, 150, 4, 2, 256), jnp.bfloat16, seed=1)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=256 ** -0.5,
+                          config=mb.BackwardConfig(consumers=2),
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  assert (np.asarray(got[1], np.float32)[:, 70:] == 0).all()
+  _check_grads(got, q, k, v, do, is_causal=True, scale=256 ** -0.5)
+
+
 @pytest.mark.parametrize("consumers,group_splits,fused_dq", [(1, 2, False), (1, 4, False),
                                                              (2, 2, True)])
 def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
@@ -384,14 +422,15 @@ def test_interpreted_group_splits_add_up_to_one_program():
     assert (a[:, 100:] == 0).all()
 
 
-@pytest.mark.parametrize("consumers,fused_dq", [(None, None), (1, None), (None, True)])
-def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq):
+@pytest.mark.parametrize("consumers,fused_dq,H", [(None, None, 64), (1, None, 64),
+                                                  (None, True, 64), (None, None, 256)])
+def test_interpreted_masks_through_the_adapter(monkeypatch, consumers, fused_dq, H):
   """The Mosaic GPU backward through jflash's custom_vjp (forward and backward, both
   interpreted): window, segments (one query segment sees no key), soft cap, key and
   query lengths including 0; T != S; fp16; one consumer warpgroup or two, or dQ in the
-  dK/dV kernel."""
+  dK/dV kernel; at head_dim 256, the dK/dV kernel split by role."""
   B, T, S = 2, 70, 80
-  q, k, v, do = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)
+  q, k, v, do = random_qkv((B, T, S, 1, 1, H), jnp.float16, seed=2)
   q_seg = np.zeros((B, T), np.int32)
   q_seg[:, 30:60] = 1
   q_seg[:, 60:] = 7                                    # no key has segment 7

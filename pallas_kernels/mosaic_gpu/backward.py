@@ -32,6 +32,10 @@ does not run:
 - dQ: grid over (query tiles, query heads, batch), looping over the visited key tiles:
   S = Q K^T and dP = dO V^T issued back to back, then dQ += dS' K.
 
+At head_dim 256 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
+the work by output, dK on one and dV on the other, P^T passing between them through
+shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup there.
+
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
@@ -57,8 +61,16 @@ from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SME
                                                check_head_dim_and_dtype, check_shared_memory,
                                                compiler_params, pad_axis)
 
-HEAD_DIMS = (64, 128)   # d = 256: dK and dV accumulators alone would take 256 registers
+HEAD_DIMS = (64, 128, 256)
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
+
+
+def by_role(head_dim: int) -> bool:
+  """Whether the dK/dV kernel splits its work by output (`_dkv_roles_kernel`): at d = 256
+  a consumer's dK and dV of 64 keys would take 2 x 64 x 256 float32 / 128 threads = 256
+  registers, more than a thread has, so one consumer holds dK and the other dV of the
+  same keys; the dQ kernel (dQ alone takes 128) runs one warpgroup there."""
+  return head_dim > 128
 # Registers per consumer thread of the warp-specialised kernels after setmaxnreg:
 # FlashAttention-3's backward split, 240 / 240 / 24 (the producer keeps setmaxnreg's
 # floor; the forward's record checks the split). A dK/dV consumer holds dK and dV (64
@@ -83,7 +95,8 @@ class BackwardConfig:
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
     tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
     through `stages` slots (FlashAttention-3's warp specialisation), the consumers at
-    CONSUMER_REGISTERS. Both correct on the H200; two the faster (`call_config`).
+    CONSUMER_REGISTERS. Both correct on the H200; two the faster (`call_config`). At
+    head_dim 256 only two: they share the program's 64 keys by role (`by_role`).
   fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
     tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
     product there, and the copy engine adds it to a float32 dQ in global memory (bulk
@@ -183,13 +196,30 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   dQ tile on the way to global memory; with `group_splits` > 1, each consumer's
   float32 tile of partial dK, then dV, on the way to global memory."""
   slots = 2 if config.consumers == 1 else config.stages
-  fixed = config.consumers * 2 * ROWS * head_dim * itemsize
+  tile = ROWS * head_dim * itemsize
   streamed = slots * 2 * config.block_n * head_dim * itemsize
+  partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
+  if by_role(head_dim):
+    # dK/dV: K and V once for both consumers, and two slots of the P^T tile they pass;
+    # dQ: one warpgroup, two slots.
+    dkv = 2 * tile + streamed + 2 * ROWS * config.block_n * itemsize + partial
+    dq = 2 * tile + 2 * 2 * config.block_n * head_dim * itemsize
+    return max(dkv, dq) + SMEM_SLACK
+  fixed = config.consumers * 2 * tile
   dq = 0
   if config.fused_dq:
     dq = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
-  partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
   return fixed + streamed + dq + partial + SMEM_SLACK
+
+
+def by_role_error(head_dim: int, consumers: int, fused_dq: bool) -> str | None:
+  """Why the backward cannot run `consumers` / `fused_dq` at `head_dim`, or None: split
+  by role (`by_role`), the dK/dV kernel runs two consumers and no dQ product."""
+  if by_role(head_dim) and (consumers != 2 or fused_dq):
+    return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
+            f"holding dK and one dV, and no fused dQ: got consumers={consumers}, "
+            f"fused_dq={fused_dq}")
+  return None
 
 
 def group_split_error(group: int, splits: int) -> str | None:
@@ -203,6 +233,9 @@ def group_split_error(group: int, splits: int) -> str | None:
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
+  why = by_role_error(q.shape[-1], config.consumers, config.fused_dq)
+  if why:
+    raise NotImplementedError(why)
   why = group_split_error(q.shape[2] // k.shape[2], config.group_splits)
   if why:
     raise NotImplementedError(f"{why} query heads per key head ({q.shape[2]} query heads, "
@@ -437,6 +470,38 @@ def _warp_specialised(wg, consumers, produce, consume):
     consume(wg)
 
 
+def _dkv_query_side(r, b, n, i, masked, kv_seg, *, bq, key0, opts, kv_len, interpret):
+  """(lse2, delta, keep) of query tile i of query head n in the dK/dV kernels' [keys,
+  queries] tiles of keys [key0, key0 + 64): the per-query statistics broadcast along
+  the keys, and the structured mask (None on a FULL tile)."""
+  iota, _, query_layout = _layouts(interpret, (ROWS, bq))
+  along_queries = lambda x: lax.broadcast_in_dim(x, (ROWS, bq), [1])
+  rows = pl.ds(i * bq, bq)
+  lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
+  delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
+  keep = None
+  if masked:
+    q_seg = None
+    if kv_seg is not None:
+      q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
+    keep = structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
+                           q_seg=q_seg, kv_seg=kv_seg)
+  return lse2, delta, keep
+
+
+def _produce_query_tiles(pipe, ranges, b, j, own):
+  """The producer of the dK/dV kernels: the visited query tiles of key tile j, for each
+  of the program's `own` query heads in turn (the consumers' loop order)."""
+  lo, _, _, hi = _row(ranges, b, j)
+  per_head = hi - lo
+
+  def load(t, _):
+    pipe.produce(t, lo + lax.rem(t, per_head), lax.div(t, per_head))
+  total = own * per_head
+  lax.fori_loop(0, total, load, None)
+  pipe.drain(total)
+
+
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
@@ -452,8 +517,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
   H = r["q_smem"].shape[-1]
   mm = _Products(interpret, r.get("acc"))
-  iota, key_layout, query_layout = _layouts(interpret, (bk, bq))
-  along_queries = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+  _, key_layout, _ = _layouts(interpret, (bk, bq))
   own = group // group_splits       # query heads per program
 
   def head(g):
@@ -468,6 +532,12 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
           lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]]
   ranges = r["ranges"]
 
+  def key_segments(keys):
+    if "kv_seg" not in r:
+      return None
+    return lax.broadcast_in_dim(
+        _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
+
   def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles):
     """dK, dV of keys [key0, key0 + 64). `tiles` = (start(lo), before(t, i, g, lo, hi),
     acquire(t), release(t)) hand over the query tiles in loop order (t counts them);
@@ -477,11 +547,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0])
     _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
-    kv_len = ranges[b, j, 5]
-    kv_seg = None
-    if "kv_seg" in r:
-      kv_seg = lax.broadcast_in_dim(
-          _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
+    kv_seg = key_segments(keys)
+    query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=key0, opts=opts,
+                                   kv_len=ranges[b, j, 5], interpret=interpret)
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
 
@@ -513,15 +581,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       if before is not None:
         before(t, i, g, lo, hi)
       rows = pl.ds(i * bq, bq)
-      lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
-      delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-      keep = None
-      if masked:
-        q_seg = None
-        if kv_seg is not None:
-          q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
-        keep = structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
-                               q_seg=q_seg, kv_seg=kv_seg)
+      lse2, delta, keep = query_side(n, i, masked, kv_seg)
       q_smem, do_smem = acquire(t)
       s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
       p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
@@ -558,6 +618,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     _store_tile(dk * scale, partial, r["dk"].at[b, split, keys, kv_head])
     _store_tile(dv, partial, r["dv"].at[b, split, keys, kv_head])
 
+  if by_role(H):
+    _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
+                 scale=scale, bq=bq, stages=stages, interpret=interpret)
+    return
+
   if consumers == 1:
     stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
 
@@ -572,21 +637,91 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     return
 
   pipe = _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
-
-  def produce():
-    lo, _, _, hi = _row(ranges, b, j)
-    per_head = hi - lo
-
-    def load(t, _):
-      pipe.produce(t, lo + lax.rem(t, per_head), lax.div(t, per_head))
-    total = own * per_head          # the consumers' order: head by head, as `heads`
-    lax.fori_loop(0, total, load, None)
-    pipe.drain(total)
-
   fixed = r["fixed_loaded"]
-  _warp_specialised(lax.axis_index("wg"), consumers, produce, lambda wg: consume(
+  _warp_specialised(lax.axis_index("wg"), consumers,
+                    lambda: _produce_query_tiles(pipe, ranges, b, j, own), lambda wg: consume(
       wg, r["k_smem"].at[wg], r["v_smem"].at[wg], (fixed.at[2 * wg], fixed.at[2 * wg + 1]),
       (j * consumers + wg) * bk, (None, None, pipe.acquire, pipe.release)))
+
+
+# The two consumers of the dK/dV kernel at head dims split by role (`by_role`).
+DK_ROLE, DV_ROLE = 0, 1
+
+
+def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *, opts, scale,
+                 bq, stages, interpret):
+  """dK and dV of the 64 keys of key tile j, split by output between two consumers
+  (`by_role`), with a producer warpgroup streaming the query tiles both read
+  (`_Pipeline`). Consumer DK_ROLE computes each tile's S^T = K Q^T and dP^T = V dO^T
+  (issued back to back), P^T and dS'^T, writes P^T to one of two shared-memory slots
+  ("p_ready" when written, "p_free" when read) and accumulates dK += dS'^T Q from
+  registers; consumer DV_ROLE accumulates dV += P^T dO from that slot. The same four
+  products per tile as `_dkv_kernel`'s, three on one consumer: the tensor cores are
+  shared, so what the dV consumer frees is registers, not work."""
+  plgpu = _plgpu()
+  bk, H = ROWS, r["q_smem"].shape[-1]
+  keys = pl.ds(j * bk, bk)
+  lo, full_lo, full_hi, hi = _row(ranges, b, j)
+  per_head = hi - lo
+  total = own * per_head
+  pipe = _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
+  p_smem, p_ready, p_free = r["p_smem"], r["p_ready"], r["p_free"]
+  k_smem, v_smem, fixed = r["k_smem"], r["v_smem"], r["fixed_loaded"]
+
+  def dk_consumer():
+    _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed.at[0])
+    _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed.at[1])
+    kv_seg = key_segments(keys)
+    query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=j * bk, opts=opts,
+                                   kv_len=ranges[b, j, 5], interpret=interpret)
+
+    def body(i, carry, g, masked, dk_acc):
+      t = g * per_head + i - lo
+      lse2, delta, keep = query_side(head(g), i, masked, kv_seg)
+      q_smem, do_smem = pipe.acquire(t)
+      s_t, dp_t = mm.fresh_pair(k_smem, q_smem, v_smem, do_smem, (bk, bq), b_t=True)
+      p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
+      ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
+      slot = lax.rem(t, 2)
+      pl.when(t >= 2)(lambda: plgpu.barrier_wait(p_free.at[slot]))   # read two tiles ago
+      p_smem.at[slot][...] = p_t.astype(q_smem.dtype)
+      plgpu.commit_smem()          # visible to the tensor cores' reads
+      plgpu.barrier_arrive(p_ready.at[slot])
+      mm.issue(dk_acc, ds_t, q_smem)
+      mm.wait()                    # this tile's slot is refilled once its products are done
+      pipe.release(t)
+      return carry
+
+    (dk,) = mm.accumulators((bk, H), 1, lambda dk_acc: lax.fori_loop(
+        0, own, lambda g, c: visit_tiles((lo, full_lo, full_hi, hi), functools.partial(
+            body, g=g, dk_acc=dk_acc), c), 0), DK_ROLE)
+    # every completion is waited on once: the last two tiles' "p_free" here
+    lax.fori_loop(jnp.maximum(0, total - 2), total,
+                  lambda t, _: plgpu.barrier_wait(p_free.at[lax.rem(t, 2)]), None)
+    _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
+
+  def dv_consumer():
+    def body(t, _, dv_acc):
+      _, do_smem = pipe.acquire(t)
+      slot = lax.rem(t, 2)
+      plgpu.barrier_wait(p_ready.at[slot])
+      mm.issue(dv_acc, p_smem.at[slot], do_smem)
+      mm.wait()
+      plgpu.barrier_arrive(p_free.at[slot])
+      pipe.release(t)
+
+    (dv,) = mm.accumulators((bk, H), 1, lambda dv_acc: lax.fori_loop(
+        0, total, functools.partial(body, dv_acc=dv_acc), None), DV_ROLE)
+    # dV leaves through V's tile: loaded (with no tile to visit, the store must not
+    # race the copy) and, past the last "p_ready", no longer read by the dK consumer.
+    plgpu.barrier_wait(fixed.at[1])
+    _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+
+  def consume(wg):
+    pl.when(wg == DK_ROLE)(dk_consumer)
+    pl.when(wg == DV_ROLE)(dv_consumer)
+  _warp_specialised(lax.axis_index("wg"), 2, lambda: _produce_query_tiles(
+      pipe, ranges, b, j, own), consume)
 
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret, consumers,
@@ -718,28 +853,34 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     extra["interpret"] = InterpretGPUParams()
 
-  C, stages = config.consumers, config.stages
+  stages, roles = config.stages, by_role(H)
 
   def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
-           partials=False):
+           partials=False, C=config.consumers, shared_fixed=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
     padded query length of the float32 dQ the kernel adds to; returns it after the
     outputs. partials: the outputs are float32 partial sums (`group_splits`), stored
-    from a float32 tile of each consumer's fixed rows."""
+    from a float32 tile of each consumer's fixed rows. C: consumers; shared_fixed: the
+    consumers split one program's fixed rows by role (`_dkv_by_role`), which holds
+    them once, with the P^T slots and their barriers."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
-    per_consumer = (fixed_rows, H) if C == 1 else (C, fixed_rows, H)
+    per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
     slots = 2 if C == 1 else stages
     smem = lambda shape: plgpu.SMEM(shape, q.dtype, **swizzled)
     scratch = {f1: smem(per_consumer), f2: smem(per_consumer),
                s1: smem((slots, stream_rows, H)), s2: smem((slots, stream_rows, H)),
-               "fixed_loaded": plgpu.Barrier(num_barriers=2 * C),
+               "fixed_loaded": plgpu.Barrier(num_barriers=2 if shared_fixed else 2 * C),
                "loaded": plgpu.Barrier(num_barriers=2 * slots)}
     threads = {}
     if C > 1:      # consumers + the producer warpgroup
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
       threads = dict(num_threads=C + 1, thread_name="wg")
+    if shared_fixed:
+      scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
+      scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
+      scratch["p_free"] = plgpu.Barrier(num_barriers=2)
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
       scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
     if partials:
@@ -812,8 +953,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     dq, *outs = in_place_call(*args)
     return (*outs, dq)
 
-  # -- dK, dV: C x ROWS keys per program, query tiles of block_n rows
-  bq, bk = config.block_n, C * ROWS
+  # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
+  # block_n rows
+  bq, bk = config.block_n, ROWS if roles else config.consumers * ROWS
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
@@ -828,18 +970,21 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits), grid, grid_names,
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
-             partials=splits > 1)
+             partials=splits > 1, shared_fixed=roles)
   dk, dv = dkv[:2]
   if splits > 1:      # in a fixed order, rounded once
     dk, dv = (d.sum(1).astype(k.dtype) for d in (dk, dv))
   if config.fused_dq:
     return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
-  # -- dQ: C x ROWS query rows per program, key tiles of block_n rows
-  bq, bk = C * ROWS, config.block_n
+  # -- dQ: consumers x ROWS query rows per program, key tiles of block_n rows (one warpgroup at
+  # the head dims split by role, whose dQ alone takes 128 registers)
+  dq_consumers = 1 if roles else config.consumers
+  bq, bk = dq_consumers * ROWS, config.block_n
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk), (Tp // bq, N, B),
                ("q", "heads", "batch"), x, ranges, (("q_smem", "do_smem"), ROWS),
-               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)])
+               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)],
+               C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]
