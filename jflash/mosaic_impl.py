@@ -116,12 +116,14 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     group split, still has fewer than the kernel's CAUSAL_MIN_PROGRAMS programs: a
     causal program's work grows with its key tile's distance from the end, and one
     wave of a few hundred programs lasts as long as the heaviest. (The 512 comes from
-    grouped heads; a grid of one key head per query head runs as many waves for as
-    many programs, but between 512 and 1023 programs it was not timed.)
+    grouped heads; with one key head per query head a causal grid of 512 programs ran
+    477.6 against 395.5, mosaic_bwd_512_programs_h200.json: 8K, 8 heads, batch 1.)
   - not when the caller's backward fields make a config the kernels cannot run for
     the call (shared memory, a group split that does not divide the group).
-  head_dim 64 (two consumers 333.5 against 380.2 at 4K, mosaic_bwd_d64_variants_h200
-  .json, at 232 registers) and 256 (not supported): the Triton backward."""
+  head_dim 64 (two consumers 330.8 against 377.3 at 4K at 240 registers, query tiles
+  of 128 slower still, mosaic_bwd_d64_regs240_h200.json) and 256 (split by role, level:
+  325.1 against 323.7, causal 291.1 against 289.8, mosaic_bwd_d256_time_h200.json):
+  the Triton backward."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
