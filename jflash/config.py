@@ -132,8 +132,9 @@ class MosaicGPUConfig(BackendConfig):
       8; the producer warpgroup keeps the rest of the launch's pool).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
       heads (GQA, MQA) and for one key head per query head from
-      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, unless a causal dK/dV grid
-      stays small, where it measured faster on the H200, else the Triton one (the
+      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, and at head_dim 256 from
+      `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows of whole tiles, unless a causal dK/dV
+      grid stays small, where it measured faster on the H200, else the Triton one (the
       rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
@@ -144,7 +145,7 @@ class MosaicGPUConfig(BackendConfig):
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
       program: 1, or 2 with a producer warpgroup (warp-specialised); None takes the
       default, 2, the faster on the H200 (`pallas_kernels.mosaic_gpu.backward
-      .call_config`).
+      .call_config`); at head_dim 256 only 2 runs (the two share the dK/dV work by role).
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not

@@ -93,13 +93,18 @@ def backward_config(q, k, cfg, masks: Masks, *, own_fields: bool = True) -> _bwd
 # slower (381.6 against 380.3, causal 278.1 against 280.3 at the backward's 240
 # registers; mosaic_backward_consumers_regs240_h200.json), from 4K faster.
 MHA_MIN_SEQ = 2048
+# Query and key lengths from which "auto" takes the Mosaic GPU backward at the head dims
+# split by role (`pallas_kernels.mosaic_gpu.backward.by_role`): the shortest timed, 1K
+# (fwd+bwd 1.13x and 1.15x the Triton backward's, causal second;
+# mosaic_bwd_d256_cells_h200.json).
+BY_ROLE_MIN_SEQ = 1024
 
 
 def backward_kind(q, k, cfg, masks: Masks) -> str:
   """Which backward runs: the caller's choice, or with "auto" the faster one as measured
-  on the H200 (bf16, fwd+bwd against the Triton backward in the same process), at
-  head_dim 128, with the backward's default config (two consumer warpgroups and a
-  producer; `pallas_kernels.mosaic_gpu.backward.call_config`):
+  on the H200 (bf16, fwd+bwd against the Triton backward in the same process), with
+  the backward's default config (two consumer warpgroups and a producer;
+  `pallas_kernels.mosaic_gpu.backward.call_config`). At head_dim 128:
   - grouped heads (GQA, MQA): the Mosaic GPU backward, whose dK/dV program runs the
     group's query heads against K and V held in shared memory (GQA 32/8 8K 526.3
     against 468.6 TF/s, causal 500.8 against 437.9; MQA 16/1 16K 553.4 against 458.4,
@@ -120,10 +125,14 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     477.6 against 395.5, mosaic_bwd_512_programs_h200.json: 8K, 8 heads, batch 1.)
   - not when the caller's backward fields make a config the kernels cannot run for
     the call (shared memory, a group split that does not divide the group).
+  - head_dim 256 (split by role: the only config the kernels run there): the Mosaic GPU
+    backward from BY_ROLE_MIN_SEQ query and key rows of whole tiles (the timed calls,
+    MHA and GQA), unless a causal grid stays small as above (4K 417.8 against 324.0, causal 359.1 against 291.1,
+    mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
+    against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
+    mosaic_bwd_d256_cells_h200.json).
   head_dim 64 (two consumers 330.8 against 377.3 at 4K at 240 registers, query tiles
-  of 128 slower still, mosaic_bwd_d64_regs240_h200.json) and 256 (split by role, level:
-  325.1 against 323.7, causal 291.1 against 289.8, mosaic_bwd_d256_time_h200.json):
-  the Triton backward."""
+  of 128 slower still, mosaic_bwd_d64_regs240_h200.json): the Triton backward."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
@@ -136,11 +145,14 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   except NotImplementedError:
     return "pallas"
   filled = (not masks.is_causal
-            or _bwd.dkv_programs(B, K, S, config) >= _bwd.CAUSAL_MIN_PROGRAMS)
-  rows = config.consumers * _bwd.ROWS          # keys per dK/dV program
-  # one key head per query head: only the timed config, on whole tiles (no HBM padding)
+            or _bwd.dkv_programs(B, K, S, H, config) >= _bwd.CAUSAL_MIN_PROGRAMS)
+  rows = _bwd.dkv_keys(H, config)
+  whole = T % rows == 0 and S % rows == 0      # no padding in HBM
+  if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ, whole tiles
+    return "mosaic_gpu" if filled and whole and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
+  # one key head per query head: only the timed config, on whole tiles
   timed_mha = (config == backward_config(q, k, cfg, masks, own_fields=False)
-               and min(T, S) >= MHA_MIN_SEQ and T % rows == 0 and S % rows == 0)
+               and min(T, S) >= MHA_MIN_SEQ and whole)
   return "mosaic_gpu" if H == 128 and (grouped or timed_mha) and filled else "pallas"
 
 

@@ -75,6 +75,21 @@ def test_backward_choice_and_validation():
     big_k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
     assert mosaic_impl.backward_config(big_q, big_k, *cfg).group_splits == splits
     assert mosaic_impl.backward_kind(big_q, big_k, *cfg) == chosen, programs
+  # head_dim 256 (split by role, 64 keys per dK/dV program): MHA and GQA from
+  # BY_ROLE_MIN_SEQ rows of whole tiles, unless a causal grid stays small
+  n256 = mosaic_impl.BY_ROLE_MIN_SEQ
+  for shape, causal, chosen in (((16, n256, 8, 8), False, "mosaic_gpu"),
+                                ((16, n256 - 64, 8, 8), False, "pallas"),   # shorter
+                                ((16, n256 + 8, 8, 8), False, "pallas"),    # ragged
+                                ((2, 4096, 16, 4), True, "mosaic_gpu"),     # 2 x 4 x 64
+                                ((1, 4096, 16, 4), True, "pallas")):        # 256 programs
+    B, T, N, K = shape
+    q256 = jax.ShapeDtypeStruct((B, T, N, 256), jnp.bfloat16)
+    k256 = jax.ShapeDtypeStruct((B, T, K, 256), jnp.bfloat16)
+    own = jflash.prepare(q128, q128, q128, is_causal=causal)
+    assert mosaic_impl.backward_kind(q256, k256, *own) == chosen, (shape, causal)
+  one = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(backward_consumers=1))
+  assert mosaic_impl.backward_kind(q256, q256, *one) == "pallas"  # not runnable at 256
   mqa_q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)   # MQA 16/1 16K causal:
   mqa_k = jax.ShapeDtypeStruct((1, 16384, 1, 128), jnp.bfloat16)    # 128 programs x 4
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
@@ -186,7 +201,7 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
   for fields, why in ((dict(backward_consumers=1), "consumers=1"),
                       (dict(backward_fused_dq=True), "fused_dq=True"),
-                      (dict(backward_group_splits=2), "shared memory")):
+                      (dict(backward_group_splits=2), "group_splits=2")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
       mosaic_impl.check_call(q, k, v, *own, **HOPPER)
@@ -357,17 +372,28 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
-def test_interpreted_by_role_gqa_causal_with_tails():
-  """head_dim 256: one consumer accumulates dK and passes P^T through two shared-memory
-  slots to the other, which accumulates dV (`by_role`); GQA 4/2 (the head loop), causal
-  with T = 70 < S = 150, so the last key tile sees no query (dK = dV = 0, and the dV
-  consumer stores through V's tile with no tile visited); the dQ kernel one warpgroup."""
+def test_interpreted_by_role_gqa_causal_with_tails(monkeypatch, capsys):
+  """head_dim 256 (`by_role`): one consumer computes S^T and accumulates dK, the other
+  dP^T and dV, P^T (two slots) and float32 dP^T (one) passing between them through
+  shared memory; GQA 4/2 (the head loop), causal with T = 70 < S = 150, so the last key
+  tile sees no query (dK = dV = 0, each consumer storing zeros with no tile visited);
+  the dQ kernel one warpgroup. The interpreter's race detector (happens-before over
+  the simulated shared memory and barriers) watches both kernels."""
+  import dataclasses
+  from jax._src.pallas.mosaic_gpu.interpret import params
+
+  @dataclasses.dataclass(frozen=True)
+  class Racing(params.InterpretGPUParams):
+    detect_races: bool = True
+  monkeypatch.setattr(params, "InterpretGPUParams", Racing)
   q, k, v, do = random_qkv((1, 70, 150, 4, 2, 256), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=256 ** -0.5,
                           config=mb.BackwardConfig(consumers=2),
                           opts=MaskOptions(is_causal=True), interpret=True)
+  jax.block_until_ready(got)
+  assert "RACE DETECTED" not in capsys.readouterr().out
   assert (np.asarray(got[1], np.float32)[:, 70:] == 0).all()
   _check_grads(got, q, k, v, do, is_causal=True, scale=256 ** -0.5)
 

@@ -33,8 +33,9 @@ does not run:
   S = Q K^T and dP = dO V^T issued back to back, then dQ += dS' K.
 
 At head_dim 256 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
-the work by output, dK on one and dV on the other, P^T passing between them through
-shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup there.
+the work by output, S^T and dK on one, dP^T and dV on the other, P^T and dP^T passing
+between them through shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup
+there.
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
@@ -66,7 +67,7 @@ ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), q
 
 
 def by_role(head_dim: int) -> bool:
-  """Whether the dK/dV kernel splits its work by output (`_dkv_roles_kernel`): at d = 256
+  """Whether the dK/dV kernel splits its work by output (`_dkv_by_role`): at d = 256
   a consumer's dK and dV of 64 keys would take 2 x 64 x 256 float32 / 128 threads = 256
   registers, more than a thread has, so one consumer holds dK and the other dV of the
   same keys; the dQ kernel (dQ alone takes 128) runs one warpgroup there."""
@@ -163,9 +164,14 @@ class BackwardConfig:
 CAUSAL_MIN_PROGRAMS = 512
 
 
-def dkv_programs(B: int, K: int, S: int, config: BackwardConfig) -> int:
+def dkv_keys(head_dim: int, config: BackwardConfig) -> int:
+  """Keys per dK/dV program: 64 per consumer, or 64 shared by the two split by role."""
+  return ROWS if by_role(head_dim) else config.consumers * ROWS
+
+
+def dkv_programs(B: int, K: int, S: int, head_dim: int, config: BackwardConfig) -> int:
   """Programs of the dK/dV grid: batch x key heads x key tiles x group splits."""
-  return B * K * -(-S // (config.consumers * ROWS)) * config.group_splits
+  return B * K * -(-S // dkv_keys(head_dim, config)) * config.group_splits
 
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
@@ -178,9 +184,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = BackwardConfig(**{"consumers": 2, **fields})
-  if causal and "group_splits" not in fields:
+  if causal and "group_splits" not in fields and not by_role(H):
     for splits in (d for d in range(2, group + 1) if group % d == 0):
-      if dkv_programs(B, K, S, config) >= CAUSAL_MIN_PROGRAMS:
+      if dkv_programs(B, K, S, H, config) >= CAUSAL_MIN_PROGRAMS:
         break
       split = dataclasses.replace(config, group_splits=splits)
       if smem_bytes(H, itemsize, split) > SMEM_BYTES:
@@ -200,9 +206,10 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   streamed = slots * 2 * config.block_n * head_dim * itemsize
   partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
   if by_role(head_dim):
-    # dK/dV: K and V once for both consumers, and two slots of the P^T tile they pass;
-    # dQ: one warpgroup, two slots.
-    dkv = 2 * tile + streamed + 2 * ROWS * config.block_n * itemsize + partial
+    # dK/dV: K and V once (one consumer each), two slots of the P^T tile and one of the
+    # float32 dP^T tile they pass each other; dQ: one warpgroup, two slots.
+    passed = ROWS * config.block_n * (2 * itemsize + 4)
+    dkv = 2 * tile + streamed + passed + partial
     dq = 2 * tile + 2 * 2 * config.block_n * head_dim * itemsize
     return max(dkv, dq) + SMEM_SLACK
   fixed = config.consumers * 2 * tile
@@ -212,13 +219,16 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   return fixed + streamed + dq + partial + SMEM_SLACK
 
 
-def by_role_error(head_dim: int, consumers: int, fused_dq: bool) -> str | None:
-  """Why the backward cannot run `consumers` / `fused_dq` at `head_dim`, or None: split
-  by role (`by_role`), the dK/dV kernel runs two consumers and no dQ product."""
-  if by_role(head_dim) and (consumers != 2 or fused_dq):
+def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
+  """Why the backward cannot run `config` at `head_dim`, or None: split by role
+  (`by_role`), the dK/dV kernel runs two consumers, no dQ product and no group split
+  (its float32 partial tiles of 64 x 256 would not fit shared memory either)."""
+  if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
+                            or config.group_splits != 1):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
-            f"holding dK and one dV, and no fused dQ: got consumers={consumers}, "
-            f"fused_dq={fused_dq}")
+            f"holding dK and one dV, no fused dQ and no group split: got "
+            f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
+            f"group_splits={config.group_splits}")
   return None
 
 
@@ -233,7 +243,7 @@ def group_split_error(group: int, splits: int) -> str | None:
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
-  why = by_role_error(q.shape[-1], config.consumers, config.fused_dq)
+  why = by_role_error(q.shape[-1], config)
   if why:
     raise NotImplementedError(why)
   why = group_split_error(q.shape[2] // k.shape[2], config.group_splits)
@@ -651,13 +661,16 @@ DK_ROLE, DV_ROLE = 0, 1
 def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *, opts, scale,
                  bq, stages, interpret):
   """dK and dV of the 64 keys of key tile j, split by output between two consumers
-  (`by_role`), with a producer warpgroup streaming the query tiles both read
-  (`_Pipeline`). Consumer DK_ROLE computes each tile's S^T = K Q^T and dP^T = V dO^T
-  (issued back to back), P^T and dS'^T, writes P^T to one of two shared-memory slots
-  ("p_ready" when written, "p_free" when read) and accumulates dK += dS'^T Q from
-  registers; consumer DV_ROLE accumulates dV += P^T dO from that slot. The same four
-  products per tile as `_dkv_kernel`'s, three on one consumer: the tensor cores are
-  shared, so what the dV consumer frees is registers, not work."""
+  (`by_role`), two matrix products each per tile, with a producer warpgroup streaming
+  the query tiles both read (`_Pipeline`):
+  - DK_ROLE (holds K): S^T = K Q^T, P^T, which it writes (in the input dtype) to one of
+    two "p" slots for the other consumer, then, with that consumer's dP^T, dS'^T and
+    dK += dS'^T Q from registers;
+  - DV_ROLE (holds V): dP^T = V dO^T, issued as the other issues S^T, which it writes
+    in float32 to the "dp" slot (dS' = P (dP - delta) subtracts two close numbers:
+    rounded first, dP would lose the difference), then dV += P^T dO from the p slot.
+  Each slot's "ready" barrier completes when written and its "free" barrier when read;
+  every completion is waited on once."""
   plgpu = _plgpu()
   bk, H = ROWS, r["q_smem"].shape[-1]
   keys = pl.ds(j * bk, bk)
@@ -666,11 +679,12 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
   total = own * per_head
   pipe = _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
   p_smem, p_ready, p_free = r["p_smem"], r["p_ready"], r["p_free"]
-  k_smem, v_smem, fixed = r["k_smem"], r["v_smem"], r["fixed_loaded"]
+  dp_smem, dp_ready, dp_free = r["dp_smem"], r["dp_ready"], r["dp_free"]
+  fixed = r["fixed_loaded"]
 
   def dk_consumer():
+    k_smem = r["k_smem"]
     _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed.at[0])
-    _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed.at[1])
     kv_seg = key_segments(keys)
     query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=j * bk, opts=opts,
                                    kv_len=ranges[b, j, 5], interpret=interpret)
@@ -678,16 +692,18 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
     def body(i, carry, g, masked, dk_acc):
       t = g * per_head + i - lo
       lse2, delta, keep = query_side(head(g), i, masked, kv_seg)
-      q_smem, do_smem = pipe.acquire(t)
-      s_t, dp_t = mm.fresh_pair(k_smem, q_smem, v_smem, do_smem, (bk, bq), b_t=True)
-      p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
-      ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
+      q_smem, _ = pipe.acquire(t)
+      p_t, c = _tile_p(mm.fresh(k_smem, q_smem, (bk, bq), b_t=True), lse2, opts=opts,
+                       scale=scale, keep=keep)                      # S^T = K Q^T
       slot = lax.rem(t, 2)
       pl.when(t >= 2)(lambda: plgpu.barrier_wait(p_free.at[slot]))   # read two tiles ago
       p_smem.at[slot][...] = p_t.astype(q_smem.dtype)
       plgpu.commit_smem()          # visible to the tensor cores' reads
       plgpu.barrier_arrive(p_ready.at[slot])
-      mm.issue(dk_acc, ds_t, q_smem)
+      plgpu.barrier_wait(dp_ready.at[0])
+      dp_t = dp_smem[...]
+      plgpu.barrier_arrive(dp_free.at[0])
+      mm.issue(dk_acc, _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype), q_smem)
       mm.wait()                    # this tile's slot is refilled once its products are done
       pipe.release(t)
       return carry
@@ -695,14 +711,20 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
     (dk,) = mm.accumulators((bk, H), 1, lambda dk_acc: lax.fori_loop(
         0, own, lambda g, c: visit_tiles((lo, full_lo, full_hi, hi), functools.partial(
             body, g=g, dk_acc=dk_acc), c), 0), DK_ROLE)
-    # every completion is waited on once: the last two tiles' "p_free" here
-    lax.fori_loop(jnp.maximum(0, total - 2), total,
+    lax.fori_loop(jnp.maximum(0, total - 2), total,     # the last two tiles' "p_free"
                   lambda t, _: plgpu.barrier_wait(p_free.at[lax.rem(t, 2)]), None)
     _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
 
   def dv_consumer():
+    v_smem = r["v_smem"]
+    _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed.at[1])
+
     def body(t, _, dv_acc):
       _, do_smem = pipe.acquire(t)
+      dp_t = mm.fresh(v_smem, do_smem, (bk, bq), b_t=True)         # dP^T = V dO^T
+      pl.when(t >= 1)(lambda: plgpu.barrier_wait(dp_free.at[0]))    # the last one read
+      dp_smem[...] = dp_t
+      plgpu.barrier_arrive(dp_ready.at[0])
       slot = lax.rem(t, 2)
       plgpu.barrier_wait(p_ready.at[slot])
       mm.issue(dv_acc, p_smem.at[slot], do_smem)
@@ -712,9 +734,7 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
     (dv,) = mm.accumulators((bk, H), 1, lambda dv_acc: lax.fori_loop(
         0, total, functools.partial(body, dv_acc=dv_acc), None), DV_ROLE)
-    # dV leaves through V's tile: loaded (with no tile to visit, the store must not
-    # race the copy) and, past the last "p_ready", no longer read by the dK consumer.
-    plgpu.barrier_wait(fixed.at[1])
+    pl.when(total >= 1)(lambda: plgpu.barrier_wait(dp_free.at[0]))  # the last tile's
     _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
 
   def consume(wg):
@@ -862,8 +882,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     padded query length of the float32 dQ the kernel adds to; returns it after the
     outputs. partials: the outputs are float32 partial sums (`group_splits`), stored
     from a float32 tile of each consumer's fixed rows. C: consumers; shared_fixed: the
-    consumers split one program's fixed rows by role (`_dkv_by_role`), which holds
-    them once, with the P^T slots and their barriers."""
+    consumers split one program's fixed rows by role (`_dkv_by_role`): each holds one
+    of the two fixed operands, and they pass each other P^T (two slots) and float32
+    dP^T (one), each slot with its "ready" and "free" barriers."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
@@ -877,10 +898,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     if C > 1:      # consumers + the producer warpgroup
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
       threads = dict(num_threads=C + 1, thread_name="wg")
-    if shared_fixed:
+    if shared_fixed:    # the tiles `_dkv_by_role`'s consumers pass each other
       scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
       scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
       scratch["p_free"] = plgpu.Barrier(num_barriers=2)
+      scratch["dp_smem"] = plgpu.SMEM((fixed_rows, stream_rows), jnp.float32, **swizzled32)
+      scratch["dp_ready"] = plgpu.Barrier(num_barriers=1)
+      scratch["dp_free"] = plgpu.Barrier(num_barriers=1)
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
       scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
     if partials:
@@ -955,7 +979,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows
-  bq, bk = config.block_n, ROWS if roles else config.consumers * ROWS
+  bq, bk = config.block_n, dkv_keys(H, config)
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
