@@ -72,6 +72,8 @@ def by_role(head_dim: int) -> bool:
   registers, more than a thread has, so one consumer holds dK and the other dV of the
   same keys; the dQ kernel (dQ alone takes 128) runs one warpgroup there."""
   return head_dim > 128
+
+
 # Registers per consumer thread of the warp-specialised kernels after setmaxnreg:
 # FlashAttention-3's backward split, 240 / 240 / 24 (the producer keeps setmaxnreg's
 # floor; the forward's record checks the split). A dK/dV consumer holds dK and dV (64
@@ -548,6 +550,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     return lax.broadcast_in_dim(
         _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
 
+  if by_role(H):
+    _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
+                 scale=scale, bq=bq, stages=stages, interpret=interpret)
+    return
+
   def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles):
     """dK, dV of keys [key0, key0 + 64). `tiles` = (start(lo), before(t, i, g, lo, hi),
     acquire(t), release(t)) hand over the query tiles in loop order (t counts them);
@@ -627,11 +634,6 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     split, partial = lax.axis_index("split"), r["partial_smem"].at[wg]
     _store_tile(dk * scale, partial, r["dk"].at[b, split, keys, kv_head])
     _store_tile(dv, partial, r["dv"].at[b, split, keys, kv_head])
-
-  if by_role(H):
-    _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
-                 scale=scale, bq=bq, stages=stages, interpret=interpret)
-    return
 
   if consumers == 1:
     stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
