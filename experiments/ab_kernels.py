@@ -1,17 +1,21 @@
-"""Two trees' Triton kernels timed against each other in one process.
+"""Two trees' jflash timed against each other in one process.
 
 A "not slower" check between two benchmark runs mixes a kernel change with the spread
-of the runs (clocks, the machine lent). Here the `pallas_kernels` package of another
-tree (e.g. `git worktree add /tmp/base <commit>`) and this tree's are imported side by
-side and timed on the FA-2 quick cells in alternating rounds, so both see the same
-machine at the same time. TF/s (FLOPs as in the benchmark), the median of the rounds.
+of the runs (clocks, the machine lent). Here the `jflash` and `pallas_kernels` packages
+of another tree (e.g. `git worktree add /tmp/base <commit>`) and this tree's are
+imported side by side and `jflash.attention(..., implementation=...)` of each is timed
+on the same cells in alternating rounds, so both see the same machine at the same time.
+TF/s (FLOPs as in the benchmark), the median of the rounds.
 
   python -m experiments.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
+  python -m experiments.ab_kernels /tmp/base --implementation mosaic_gpu \
+      --cells "fa2 16K d128 causal,GQA" --modes fwd+bwd
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import statistics
 import sys
@@ -21,21 +25,27 @@ import jax
 import jax.numpy as jnp
 
 from experiments import common
-from experiments.bench import specs
+from experiments.bench import runner, specs
 
 TREE = Path(__file__).resolve().parent.parent
+PACKAGES = ("jflash", "pallas_kernels")   # what a tree contributes
+
+# The benchmark's cells, and the decoder LM's attention (seq_scaling --parts lm).
+LM = specs.Case(4096, 128, True, 4, 8, name="LM 4K d128 causal")
+CELLS = {c.name: c for grid in ("quick", "d256", "model") for c in specs.GRIDS[grid]}
+CELLS[LM.name] = LM
 
 
 def _package_modules() -> list[str]:
-  return [m for m in sys.modules if m.split(".")[0] == "pallas_kernels"]
+  return [m for m in sys.modules if m.split(".")[0] in PACKAGES]
 
 
 @contextlib.contextmanager
 def package(modules: dict):
-  """`sys.modules` with `modules` as the `pallas_kernels` package, and the process's
-  own put back after. Tracing needs it, not only importing: the kernels import some
-  helpers when they are traced (`masking.tile_scores` takes `common`'s then), and those
-  must come from the same tree."""
+  """`sys.modules` with `modules` as the tree's packages, and the process's own put
+  back after. Tracing needs it, not only importing: the kernels import some helpers
+  when they are traced (`masking.tile_scores` takes `common`'s then), and those must
+  come from the same tree."""
   saved = {name: sys.modules.pop(name) for name in _package_modules()}
   sys.modules.update(modules)
   try:
@@ -46,40 +56,39 @@ def package(modules: dict):
     sys.modules.update(saved)
 
 
-def load_kernels(tree: Path):
-  """(flash_forward, flash_backward, modules) of the `pallas_kernels` package under
-  `tree`, imported apart from the process's own (`package`)."""
+def load_tree(tree: Path):
+  """(jflash.attention, modules) of the packages under `tree`, imported apart from the
+  process's own (`package`)."""
   with package({}):
     sys.path.insert(0, str(tree))
     try:
-      fwd = importlib.import_module("pallas_kernels.forward")
-      bwd = importlib.import_module("pallas_kernels.backward")
+      top = {name: importlib.import_module(name) for name in PACKAGES}
     finally:
       sys.path.pop(0)
     modules = {name: sys.modules[name] for name in _package_modules()}
-  if not Path(fwd.__file__).resolve().is_relative_to(tree):
-    raise ValueError(f"{tree} has no pallas_kernels package (imported {fwd.__file__})")
-  return fwd.flash_forward, bwd.flash_backward, modules
+  for name, module in top.items():
+    if not Path(module.__file__).resolve().is_relative_to(tree):
+      raise ValueError(f"{tree} has no {name} package (imported {module.__file__})")
+  return top["jflash"].attention, modules
 
 
-def programs(kernels, case, mode, inputs):
-  """One tree's program for `mode`, traced and compiled under that tree's package."""
-  ff, fb, modules = kernels
-  kw = dict(scale=case.scale, is_causal=case.causal)
-
-  def fwd(q, k, v, do):
-    return ff(q, k, v, **kw)[0]
-
-  def fwd_bwd(q, k, v, do):
-    out, lse = ff(q, k, v, **kw)
-    return fb(q, k, v, out, lse, do, **kw)
+def programs(loaded, case, mode, inputs, implementation="pallas"):
+  """One tree's compiled program for `mode`, traced under that tree's packages."""
+  attention, modules = loaded
+  attn = functools.partial(attention, is_causal=case.causal, implementation=implementation)
+  f = (lambda q, k, v, do: attn(q, k, v)) if mode == "fwd" else runner.fwd_bwd(attn)
   with package(modules):
-    return jax.jit(fwd if mode == "fwd" else fwd_bwd).lower(*inputs).compile()
+    return jax.jit(f).lower(*inputs).compile()
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("base", type=Path, help="the other tree (holding pallas_kernels/)")
+  p.add_argument("base", type=Path, help="the other tree (holding jflash/, pallas_kernels/)")
+  p.add_argument("--implementation", default="pallas", help="jflash implementation timed")
+  p.add_argument("--cells", default=None,
+                 help="comma-separated substrings of cell names (default: the FA-2 quick "
+                      f"cells); the cells: {', '.join(CELLS)}")
+  p.add_argument("--modes", default=",".join(specs.MODES))
   p.add_argument("--rounds", type=int, default=7, help="rounds per program, alternating")
   p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3,
                  help="back-to-back calls per round to fill this long")
@@ -88,9 +97,19 @@ def main(argv=None):
   p.add_argument("--name", default=f"ab_kernels_{common.device_tag()}")
   args = p.parse_args(argv)
   trees = {"this": TREE, "base": args.base.resolve()}
-  kernels = {label: load_kernels(tree) for label, tree in trees.items()}
-  cases = ((specs.Case(128, 32, True, 1, 2, name="tiny causal"),) if args.tiny
-           else specs.FA2_QUICK)
+  loaded = {label: load_tree(tree) for label, tree in trees.items()}
+  if args.tiny:
+    cases = (specs.Case(128, 32, True, 1, 2, name="tiny causal"),)
+  elif args.cells:
+    wanted = args.cells.split(",")
+    cases = tuple(c for name, c in CELLS.items() if any(w in name for w in wanted))
+    if not cases:
+      raise ValueError(f"--cells {args.cells!r} names none of: {', '.join(CELLS)}")
+  else:
+    cases = specs.FA2_QUICK
+  modes = args.modes.split(",")
+  if unknown := set(modes) - set(specs.MODES):
+    raise ValueError(f"--modes: unknown {sorted(unknown)}; known: {specs.MODES}")
   rows = []
   for case in cases:
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -99,8 +118,9 @@ def main(argv=None):
     k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), jnp.bfloat16)
             for key in keys[2:])
     inputs = (q, k, v, do)
-    for mode in specs.MODES:
-      fns = {label: programs(kernels[label], case, mode, inputs) for label in trees}
+    for mode in modes:
+      fns = {label: programs(loaded[label], case, mode, inputs, args.implementation)
+             for label in trees}
       seconds = {label: [] for label in fns}
       # Alternating which goes first; each round starts with one untimed call.
       for r in range(args.rounds):
@@ -108,7 +128,8 @@ def main(argv=None):
           seconds[label].append(common.time_calls(
               fns[label], (inputs,), rounds=1, round_s=args.round_ms / 1e3)["median_s"])
       flops = case.flops(mode)
-      row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds}
+      row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds,
+             "implementation": args.implementation}
       median = {label: statistics.median(ts) for label, ts in seconds.items()}
       for label, t in median.items():
         row[label] = round(flops / t / 1e12, 1)

@@ -29,9 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.forward import key_tile, mask_inputs, query_block_order
+from pallas_kernels.forward import key_tile, mask_inputs
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    kernel_operands, tile_scores, times, visit_tiles)
+                                    kernel_operands, query_block_order, tile_scores, times,
+                                    visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 

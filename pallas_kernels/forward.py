@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    kernel_operands, tile_scores, times, visit_tiles)
+                                    kernel_operands, query_block_order, tile_scores, times,
+                                    visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -103,15 +104,6 @@ def key_tile(r, j, *, block_k, S, H, rows_in, masked) -> KeyTile:
   dense = lambda name: (common.load(r[name].at[:, cols], rows_in, cols_in, other=FILL[name])
                         if name in r else None)
   return KeyTile(col0, cols, cols_in, k, v, kv_seg, dense("mask"), dense("bias"))
-
-
-def query_block_order(num_q_blocks: int, opts: MaskOptions):
-  """Grid index -> query block. Causal work grows with the block index, so the
-  heaviest blocks are launched first and the light ones fill the tail of the launch
-  (the wave quantisation that otherwise idles SMs at the end)."""
-  if opts.is_causal:
-    return lambda i: num_q_blocks - 1 - i
-  return lambda i: i
 
 
 def mask_inputs(ops: MaskOperands, *, Sp, bq, q_index):

@@ -290,3 +290,12 @@ def dropout_scale(seed, batch, head, row0, col0, shape, rate, num_heads, transpo
   key = dropout_row_key(seed, batch, head, rows, num_heads)
   keep = dropout_keep(key, cols, rate)
   return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+
+
+def query_block_order(num_q_blocks: int, opts: MaskOptions):
+  """Grid index -> query block. Causal work grows with the block index, so the
+  heaviest blocks are launched first and the light ones fill the tail of the launch
+  (the wave quantisation that otherwise idles SMs at the end)."""
+  if opts.is_causal:
+    return lambda i: num_q_blocks - 1 - i
+  return lambda i: i

@@ -127,11 +127,17 @@ def test_ring_gpu_tiny(tmp_path):
   assert "lm" not in res
 
 
-def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
-  # A copy of this tree's kernels stands in for another commit's.
+def copy_packages(tree):
+  """A copy of this tree's packages (as another commit's worktree would hold them)."""
   import shutil
-  shutil.copytree(REPO / "pallas_kernels", tmp_path / "base" / "pallas_kernels",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  from experiments import ab_kernels
+  for name in ab_kernels.PACKAGES:
+    shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
+  # A copy of this tree's packages stands in for another commit's.
+  copy_packages(tmp_path / "base")
   run_script("ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
              "--name", "ab_tiny")
   res = load(tmp_path, "ab_tiny")
@@ -151,9 +157,9 @@ from experiments.bench import specs
 base = Path(sys.argv[1])
 case = specs.Case(64, 16, True, 1, 1, name="tiny")
 x = jnp.zeros((1, 64, 1, 16), jnp.bfloat16)
-ab_kernels.programs(ab_kernels.load_kernels(ab_kernels.TREE), case, "fwd", (x,) * 4)
+ab_kernels.programs(ab_kernels.load_tree(ab_kernels.TREE), case, "fwd", (x,) * 4)
 with pytest.raises(RuntimeError, match="base helper"):
-  ab_kernels.programs(ab_kernels.load_kernels(base), case, "fwd", (x,) * 4)
+  ab_kernels.programs(ab_kernels.load_tree(base), case, "fwd", (x,) * 4)
 import pallas_kernels.common
 assert Path(pallas_kernels.common.__file__).parent == ab_kernels.TREE / "pallas_kernels"
 print("ok")
@@ -164,10 +170,8 @@ def test_ab_kernels_traces_each_tree_with_its_own_helpers(tmp_path):
   # The kernels import some helpers while they are traced: the other tree's must be
   # traced with its own. Its copy here raises from one of them. (A process of its own:
   # the check swaps packages in sys.modules.)
-  import shutil
   base = tmp_path / "base"
-  shutil.copytree(REPO / "pallas_kernels", base / "pallas_kernels",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  copy_packages(base)
   with open(base / "pallas_kernels" / "common.py", "a") as f:
     f.write("\n\ndef dot_heads(*args, **kwargs):\n  raise RuntimeError('base helper')\n")
   env = dict(os.environ, JAX_PLATFORMS="cpu")

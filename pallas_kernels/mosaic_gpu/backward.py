@@ -29,8 +29,9 @@ does not run:
   With `BackwardConfig.group_splits` > 1 the grid is (key tiles, key heads,
   group_splits, batch): each of a key tile's programs loops over its own share of the
   group's query heads and writes float32 partial dK, dV, summed after the kernel.
-- dQ: grid over (query tiles, query heads, batch), looping over the visited key tiles:
-  S = Q K^T and dP = dO V^T issued back to back, then dQ += dS' K.
+- dQ: grid over (query tiles, query heads, batch; causal: the heaviest query tiles
+  first, `query_block_order`), looping over the visited key tiles: S = Q K^T and
+  dP = dO V^T issued back to back, then dQ += dS' K.
 
 At head_dim 256 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
 the work by output, S^T and dK on one, dP^T and dV on the other, P^T and dP^T passing
@@ -56,7 +57,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
-                                    structured_keep, visit_tiles)
+                                    query_block_order, structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
                                                TMA_ROWS, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
@@ -753,12 +754,13 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret, con
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows."""
   r = dict(zip(names, refs))
   bq = ROWS
-  i, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+  ranges = r["ranges"]      # [B, query blocks, ...]
+  i = query_block_order(ranges.shape[1], opts)(lax.axis_index("q"))
+  n, b = lax.axis_index("heads"), lax.axis_index("batch")
   H = r["q_smem"].shape[-1]
   mm = _Products(interpret, r.get("acc"))
   iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
   kv_head = lax.div(n, jnp.int32(group))
-  ranges = r["ranges"]
   srcs = [lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
           lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]]
 

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
-                                    structured_keep)
+                                    query_block_order, structured_keep)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -303,8 +303,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     cast = plgpu.layout_cast
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
-  def block_of(i):     # causal work grows with the block index: the heaviest go first
-    return num_q_blocks - 1 - i if opts.is_causal else i
+  block_of = query_block_order(num_q_blocks, opts)
 
   def for_each_item(item):
     """Runs `item((query block, head, batch), tiles)` over this program's work items;
