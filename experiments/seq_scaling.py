@@ -203,6 +203,16 @@ def lm_config(args, label, T, remat):
                   dtype=args.lm_dtype)
 
 
+def lm_step(cfg, batch, rng, seed):
+  """(jitted train step, its arguments (params, opt_state, tokens, targets, weights)):
+  the model of `cfg` with AdamW, random tokens as their own targets."""
+  graphdef, params = init_model(cfg, seed)
+  tx = make_optimizer(1e-4, 1000, 100)
+  tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len)), jnp.int32)
+  w = jnp.ones((batch, cfg.seq_len), jnp.float32)
+  return make_train_step(graphdef, tx), (params, tx.init(params), tok, tok, w)
+
+
 def run_lm(args, labels, budget):
   ints = lambda text: [int(t) for t in text.split(",") if t]
   short = [l for l in labels_for_backend(args.lm_impls.split(",")) if l in labels]
@@ -225,13 +235,8 @@ def run_lm(args, labels, budget):
       rows.append(dict(row, status="skipped", reason=stopped[label, remat]))
       continue
     try:
-      graphdef, params = init_model(cfg, args.seed)
+      step, (params, opt_state, tok, tok, w) = lm_step(cfg, args.lm_batch, rng, args.seed)
       row["params"] = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-      tx = make_optimizer(1e-4, 1000, 100)
-      opt_state = tx.init(params)
-      step = make_train_step(graphdef, tx)
-      tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.lm_batch, T)), jnp.int32)
-      w = jnp.ones((args.lm_batch, T), jnp.float32)
       compiled, mem = compile_with_memory(step, params, opt_state, tok, tok, w)
       row["memory"] = mem
       if not over_budget(row, mem, budget):

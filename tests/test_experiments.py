@@ -7,6 +7,7 @@ and compile for seconds, so optimising them is wasted time.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -125,6 +126,19 @@ def test_ring_gpu_tiny(tmp_path):
   speed = res["speed"]
   assert speed and all(r["status"] == "ok" and r["scaling_efficiency"] > 0 for r in speed)
   assert "lm" not in res
+
+
+def test_profile_step_sums_the_steps_ops_from_the_profiler(tmp_path):
+  # On a CPU the trace's XLA ops are the host's; the step's module only.
+  run_script("profile_step", tmp_path, "--hlo", "--name", "ps")
+  res = load(tmp_path, "ps")
+  rows = res["rows"]
+  assert rows and all(r["ms"] >= 0 and r["calls"] > 0 for r in rows)
+  assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
+  assert abs(sum(r["ms"] for r in rows) - res["total_ms_per_step"]) < 1e-3 * len(rows)
+  assert any(r["op"].startswith("dot") for r in rows)      # the model's matmuls are in it
+  with gzip.open(tmp_path / res["hlo"], "rt") as f:
+    assert "HloModule jit_step" in f.read()
 
 
 def copy_packages(tree):

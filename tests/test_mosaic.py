@@ -233,6 +233,15 @@ def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
   assert ("stablehlo.pad" in text) == padded
 
 
+def test_outputs_leave_the_kernel_through_an_optimization_barrier():
+  """XLA's dynamic-slice fusion would otherwise fold a scan's stacking of the output
+  into a fusion around the kernel's call and keep a second call for the output's other
+  users: two forward kernels per layer of the decoder LM on the H200
+  (experiments/results/lm_profile_h200/)."""
+  text = _lowered(128, MaskOptions(is_causal=True), T=1024, S=1024)
+  assert text.count("stablehlo.optimization_barrier") == 1
+
+
 @pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
 def test_lowers_with_every_mask_path(H, dtype):
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)

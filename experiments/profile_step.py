@@ -1,0 +1,109 @@
+"""Where one decoder-LM training step's time goes, per HLO op, from JAX's own profiler.
+
+The step of `seq_scaling --parts lm` (same presets and model), compiled once, warmed up,
+then `--steps` steps under `jax.profiler.trace`. The trace's device events (the GPU's
+kernels; on a CPU, the host's XLA ops) of the step's module are summed per HLO op
+(the `hlo_op` stat XLA attaches, else the event's name) and kernel, divided by the
+steps. Times are the events' own durations: ops that run concurrently on different
+streams add up, so the total can exceed the step's wall time. With `--hlo` the
+optimized HLO is written beside (gzipped) to read what an op is.
+
+  python -m experiments.profile_step --preset h200 --impl jflash --seq 4096 --hlo
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from experiments import common, seq_scaling
+
+DEVICE_PLANE = "/device:"
+
+
+def device_events(xspace: bytes, module: str):
+  """(op, event name, duration ns) of the trace's events that name an HLO module
+  containing `module`: the device planes' when there are any, else the host's."""
+  from jax.profiler import ProfileData
+  planes = list(ProfileData.from_serialized_xspace(xspace).planes)
+  devices = [p for p in planes if p.name.startswith(DEVICE_PLANE)]
+  for plane in devices or planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        if module not in str(stats.get("hlo_module", "")):
+          continue
+        yield str(stats.get("hlo_op") or event.name), event.name, event.duration_ns
+
+
+def per_op(events, steps: int, top: int):
+  """Rows (op, kernel, ms per step, events per step) per op and kernel name (XLA's
+  command buffers are one op of many kernels), longest first, and the total ms per step."""
+  ns, calls = collections.Counter(), collections.Counter()
+  for op, name, duration in events:
+    ns[op, name] += duration
+    calls[op, name] += 1
+  rows = [dict(op=op, kernel=name[:160], ms=round(t / steps / 1e6, 4),
+               calls=calls[op, name] / steps) for (op, name), t in ns.most_common(top)]
+  return rows, round(sum(ns.values()) / steps / 1e6, 4)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="h200", help="seq_scaling's preset (the model)")
+  p.add_argument("--impl", default="jflash", help="attention label, as seq_scaling's")
+  p.add_argument("--seq", type=int, default=4096)
+  p.add_argument("--steps", type=int, default=3, help="profiled steps")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--top", type=int, default=200, help="ops kept, longest first")
+  p.add_argument("--hlo", action="store_true", help="also write the optimized HLO")
+  p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT)
+  p.add_argument("--name", default=None)
+  p.add_argument("--tiny", action="store_true", help="test-suite size: preset tiny, T = 64")
+  args = p.parse_args(argv)
+  if args.tiny:
+    args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
+  name = args.name or f"profile_step_{args.impl}_{args.seq}_{common.device_tag()}"
+  lm = seq_scaling.parse_args(["--preset", args.preset])
+  cfg = seq_scaling.lm_config(lm, args.impl, args.seq, remat=False)
+  step, state = seq_scaling.lm_step(cfg, lm.lm_batch, np.random.default_rng(0), 0)
+  compiled = step.lower(*state).compile()
+  params, opt_state, *data = state
+
+  def run(n):
+    nonlocal params, opt_state
+    for _ in range(n):
+      params, opt_state, loss = compiled(params, opt_state, *data)
+    return float(loss)
+  run(args.warmup)
+  t = time.perf_counter()
+  run(args.steps)
+  wall_ms = (time.perf_counter() - t) / args.steps * 1e3
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      run(args.steps)
+    (trace,) = Path(d).glob("**/*.xplane.pb")
+    rows, total_ms = per_op(device_events(trace.read_bytes(), "step"), args.steps, args.top)
+  extra = dict(total_ms_per_step=total_ms, wall_ms_per_step=round(wall_ms, 3),
+               tokens_per_s=round(lm.lm_batch * args.seq / wall_ms * 1e3, 1))
+  if args.hlo:
+    hlo = Path(args.out_dir) / f"{name}.hlo.txt.gz"
+    hlo.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(hlo, "wt") as f:
+      f.write(compiled.as_text())
+    extra["hlo"] = hlo.name
+  path = common.write_result(name, vars(args) | dict(model=seq_scaling.dataclasses.asdict(cfg)),
+                             rows, extra=extra, out_dir=args.out_dir)
+  common.log(f"{total_ms} ms of ops per step ({wall_ms:.2f} ms wall); wrote {path}")
+  for r in rows[:15]:
+    common.log(f"  {r['ms']:9.3f} ms  x{r['calls']:g}  {r['op']}  {r['kernel'][:60]}")
+
+
+if __name__ == "__main__":
+  main()
