@@ -266,26 +266,9 @@ def _kernel_module(lowered: str) -> str:
 
 
 def _kernel_modules(lowered: str) -> list[str]:
-  """Every Mosaic GPU module inside a lowered program (each custom call carries one as
-  MLIR bytecode), printed as text."""
-  return [_print_module(raw) for raw in re.findall(r'module = "((?:[^"\\]|\\.)*)"', lowered)]
-
-
-def _print_module(raw: str) -> str:
-  """One module's MLIR bytecode, escaped as the lowered text carries it, as text."""
-  from jax._src.interpreters import mlir
-  from jax._src.lib.mlir import ir
-  data, i = bytearray(), 0
-  while i < len(raw):                  # MLIR's string escapes: \\, \" and \XX (hex)
-    if raw[i] != "\\":
-      data.append(ord(raw[i])); i += 1
-    elif raw[i + 1] in '\\"':
-      data.append(ord(raw[i + 1])); i += 2
-    else:
-      data.append(int(raw[i + 1:i + 3], 16)); i += 3
-  with mlir.make_ir_context() as ctx:
-    ctx.allow_unregistered_dialects = True
-    return str(ir.Module.parse(bytes(data)))
+  """Every Mosaic GPU module inside a lowered program, printed as text."""
+  from experiments.lowered import mosaic_modules
+  return mosaic_modules(lowered)
 
 
 @pytest.mark.parametrize("H, config", [
