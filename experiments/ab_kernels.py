@@ -45,31 +45,54 @@ def package(modules: dict):
   """`sys.modules` with `modules` as the tree's packages, and the process's own put
   back after. Tracing needs it, not only importing: the kernels import some helpers
   when they are traced (`masking.tile_scores` takes `common`'s then), and those must
-  come from the same tree."""
+  come from the same tree. Modules first imported inside join `modules`, so every
+  later entry sees the same copies."""
   saved = {name: sys.modules.pop(name) for name in _package_modules()}
   sys.modules.update(modules)
   try:
     yield
   finally:
     for name in _package_modules():
-      del sys.modules[name]
+      modules[name] = sys.modules.pop(name)
     sys.modules.update(saved)
 
 
-def load_tree(tree: Path):
-  """(jflash.attention, modules) of the packages under `tree`, imported apart from the
-  process's own (`package`)."""
-  with package({}):
+def load_modules(tree: Path, names) -> dict:
+  """The tree's packages with the modules `names` imported, apart from the process's
+  own (`package`)."""
+  modules = {}
+  with package(modules):
     sys.path.insert(0, str(tree))
     try:
-      top = {name: importlib.import_module(name) for name in PACKAGES}
+      imported = [importlib.import_module(name) for name in names]
     finally:
       sys.path.pop(0)
-    modules = {name: sys.modules[name] for name in _package_modules()}
-  for name, module in top.items():
+  for module in imported:
     if not Path(module.__file__).resolve().is_relative_to(tree):
-      raise ValueError(f"{tree} has no {name} package (imported {module.__file__})")
-  return top["jflash"].attention, modules
+      raise ValueError(f"{tree} has no {module.__name__} (imported {module.__file__})")
+  return modules
+
+
+def load_tree(tree: Path):
+  """(jflash.attention, modules) of the packages under `tree`."""
+  modules = load_modules(tree, PACKAGES)
+  return modules["jflash"].attention, modules
+
+
+def select_cases(cells: str | None, tiny: bool = False) -> tuple:
+  """The cells whose names contain one of the comma-separated `cells` (default: the
+  FA-2 quick cells); `tiny`: one interpreted cell for the tests."""
+  if tiny:
+    if cells:
+      raise ValueError("--tiny times its own cell; leave out --cells")
+    return (specs.Case(128, 32, True, 1, 2, name="tiny causal"),)
+  if not cells:
+    return specs.FA2_QUICK
+  wanted = cells.split(",")
+  cases = tuple(c for name, c in CELLS.items() if any(w in name for w in wanted))
+  if not cases:
+    raise ValueError(f"--cells {cells!r} names none of: {', '.join(CELLS)}")
+  return cases
 
 
 def programs(loaded, case, mode, inputs, implementation="pallas"):
@@ -84,7 +107,8 @@ def programs(loaded, case, mode, inputs, implementation="pallas"):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("base", type=Path, help="the other tree (holding jflash/, pallas_kernels/)")
-  p.add_argument("--implementation", default="pallas", help="jflash implementation timed")
+  p.add_argument("--implementation", default="pallas",
+                 help="jflash implementation timed (auto: implementation=None)")
   p.add_argument("--cells", default=None,
                  help="comma-separated substrings of cell names (default: the FA-2 quick "
                       f"cells); the cells: {', '.join(CELLS)}")
@@ -97,16 +121,9 @@ def main(argv=None):
   p.add_argument("--name", default=f"ab_kernels_{common.device_tag()}")
   args = p.parse_args(argv)
   trees = {"this": TREE, "base": args.base.resolve()}
+  cases = select_cases(args.cells, args.tiny)
+  implementation = None if args.implementation == "auto" else args.implementation
   loaded = {label: load_tree(tree) for label, tree in trees.items()}
-  if args.tiny:
-    cases = (specs.Case(128, 32, True, 1, 2, name="tiny causal"),)
-  elif args.cells:
-    wanted = args.cells.split(",")
-    cases = tuple(c for name, c in CELLS.items() if any(w in name for w in wanted))
-    if not cases:
-      raise ValueError(f"--cells {args.cells!r} names none of: {', '.join(CELLS)}")
-  else:
-    cases = specs.FA2_QUICK
   modes = args.modes.split(",")
   if unknown := set(modes) - set(specs.MODES):
     raise ValueError(f"--modes: unknown {sorted(unknown)}; known: {specs.MODES}")
@@ -119,7 +136,7 @@ def main(argv=None):
             for key in keys[2:])
     inputs = (q, k, v, do)
     for mode in modes:
-      fns = {label: programs(loaded[label], case, mode, inputs, args.implementation)
+      fns = {label: programs(loaded[label], case, mode, inputs, implementation)
              for label in trees}
       seconds = {label: [] for label in fns}
       # Alternating which goes first; each round starts with one untimed call.

@@ -5,8 +5,9 @@ then `--steps` steps under `jax.profiler.trace`. The trace's device events (the 
 kernels; on a CPU, the host's XLA ops) of the step's module are summed per HLO op
 (the `hlo_op` stat XLA attaches, else the event's name) and kernel, divided by the
 steps. Times are the events' own durations: ops that run concurrently on different
-streams add up, so the total can exceed the step's wall time. With `--hlo` the
-optimized HLO is written beside (gzipped) to read what an op is.
+streams add up, so the total can exceed the step's wall time; an event that spans
+others of its line (a host while loop over its body's ops) is left out for them. With
+`--hlo` the optimized HLO is written beside (gzipped) to read what an op is.
 
   python -m experiments.profile_step --preset h200 --impl jflash --seq 4096 --hlo
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import tempfile
 import time
@@ -27,19 +29,36 @@ from experiments import common, seq_scaling
 DEVICE_PLANE = "/device:"
 
 
+def leaves(events):
+  """The events inside which no other event of the same line lies: an XLA op that runs
+  others (a while loop on the host) spans their events, which would count twice."""
+  events = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
+  parents, open_ = set(), []
+  for i, e in enumerate(events):
+    while open_ and events[open_[-1]].start_ns + events[open_[-1]].duration_ns <= e.start_ns:
+      open_.pop()
+    if open_:
+      parents.add(open_[-1])
+    open_.append(i)
+  return [e for i, e in enumerate(events) if i not in parents]
+
+
 def device_events(xspace: bytes, module: str):
-  """(op, event name, duration ns) of the trace's events that name an HLO module
-  containing `module`: the device planes' when there are any, else the host's."""
+  """(op, event name, duration ns) of the trace's innermost events that name an HLO
+  module containing `module`: the device planes' when they have any, else the host's."""
   from jax.profiler import ProfileData
   planes = list(ProfileData.from_serialized_xspace(xspace).planes)
-  devices = [p for p in planes if p.name.startswith(DEVICE_PLANE)]
-  for plane in devices or planes:
-    for line in plane.lines:
-      for event in line.events:
-        stats = dict(event.stats)
-        if module not in str(stats.get("hlo_module", "")):
-          continue
-        yield str(stats.get("hlo_op") or event.name), event.name, event.duration_ns
+
+  def events(chosen):
+    for plane in chosen:
+      for line in plane.lines:
+        named = [(e, dict(e.stats)) for e in line.events]
+        stats = {id(e): st for e, st in named}
+        ours = [e for e, st in named if module in str(st.get("hlo_module", ""))]
+        for e in leaves(ours):
+          yield str(stats[id(e)].get("hlo_op") or e.name), e.name, e.duration_ns
+  found = list(events([p for p in planes if p.name.startswith(DEVICE_PLANE)]))
+  return found or list(events(planes))
 
 
 def per_op(events, steps: int, top: int):
@@ -98,7 +117,7 @@ def main(argv=None):
     with gzip.open(hlo, "wt") as f:
       f.write(compiled.as_text())
     extra["hlo"] = hlo.name
-  path = common.write_result(name, vars(args) | dict(model=seq_scaling.dataclasses.asdict(cfg)),
+  path = common.write_result(name, vars(args) | dict(model=dataclasses.asdict(cfg)),
                              rows, extra=extra, out_dir=args.out_dir)
   common.log(f"{total_ms} ms of ops per step ({wall_ms:.2f} ms wall); wrote {path}")
   for r in rows[:15]:

@@ -235,15 +235,15 @@ def run_lm(args, labels, budget):
       rows.append(dict(row, status="skipped", reason=stopped[label, remat]))
       continue
     try:
-      step, (params, opt_state, tok, tok, w) = lm_step(cfg, args.lm_batch, rng, args.seed)
+      step, (params, opt_state, tok, targets, w) = lm_step(cfg, args.lm_batch, rng, args.seed)
       row["params"] = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-      compiled, mem = compile_with_memory(step, params, opt_state, tok, tok, w)
+      compiled, mem = compile_with_memory(step, params, opt_state, tok, targets, w)
       row["memory"] = mem
       if not over_budget(row, mem, budget):
         state = [params, opt_state]
 
         def one_step():
-          state[0], state[1], loss = compiled(state[0], state[1], tok, tok, w)
+          state[0], state[1], loss = compiled(state[0], state[1], tok, targets, w)
           return loss
         t = common.time_calls(one_step, rounds=args.lm_iters, warmup=args.warmup,
                               budget_s=args.time_budget_s)

@@ -1,5 +1,6 @@
 """What the kernels need to mask a tile: static options, optional operands, the
-element-wise rules, the dropout hash and the per-tile visiting ranges.
+element-wise rules, the dropout hash and the per-tile visiting ranges, and the order in
+which query blocks are launched (`query_block_order`).
 
 The caller (jflash) decides *which* tiles exist (a [B, nq, nk] class table from
 block summaries, see `ranges_from_classes`); the kernels only follow the ranges and
@@ -293,9 +294,10 @@ def dropout_scale(seed, batch, head, row0, col0, shape, rate, num_heads, transpo
 
 
 def query_block_order(num_q_blocks: int, opts: MaskOptions):
-  """Grid index -> query block. Causal work grows with the block index, so the
-  heaviest blocks are launched first and the light ones fill the tail of the launch
-  (the wave quantisation that otherwise idles SMs at the end)."""
+  """Launch position -> query block (a grid index, or a persistent program's round).
+  Causal work grows with the block index, so the heaviest blocks are launched first and
+  the light ones fill the tail of the launch (the wave quantisation that otherwise
+  idles SMs at the end)."""
   if opts.is_causal:
     return lambda i: num_q_blocks - 1 - i
   return lambda i: i

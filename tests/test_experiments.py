@@ -141,6 +141,60 @@ def test_profile_step_sums_the_steps_ops_from_the_profiler(tmp_path):
     assert "HloModule jit_step" in f.read()
 
 
+def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
+  # This tree against a copy of its kernels: every Mosaic GPU module the same; with the
+  # copy's exp2 constant changed, the forward differs (the lowering needs no GPU). A
+  # process of its own: the script swaps packages in sys.modules.
+  copy_packages(tmp_path / "base")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+  def compare(name):
+    subprocess.run(
+        [sys.executable, "-m", "experiments.compare_lowered", str(tmp_path / "base"),
+         "--seq", "256", "--heads", "2", "--head-dim", "64", "--causal", "--out-dir",
+         str(tmp_path), "--name", name], cwd=REPO, env=env, check=True, timeout=300,
+        capture_output=True)
+    return {r["kernel"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
+  rows = compare("same")
+  assert set(rows) == {"forward 0", "backward 0", "backward 1"}
+  assert all(r["same"] for r in rows.values())
+  forward = tmp_path / "base" / "pallas_kernels" / "mosaic_gpu" / "forward.py"
+  text = forward.read_text()
+  assert "\nLOG2E = " in text
+  forward.write_text(text.replace("\nLOG2E = ", "\nLOG2E = 1.0001 * ", 1))
+  rows = compare("changed")
+  assert not rows["forward 0"]["same"] and rows["forward 0"]["differing_lines"] > 0
+
+
+def test_compare_lowered_sees_operands_rewired():
+  # Two modules that differ only in which values an op reads are not the same kernel.
+  from experiments.compare_lowered import compare
+  a = {"forward": ["%0 = arith.addf %1, %2 : f32\n%3 = arith.mulf %0, %2 : f32"]}
+  b = {"forward": ["%0 = arith.addf %1, %2 : f32\n%3 = arith.mulf %1, %2 : f32"]}
+  assert compare(a, a)[0]["same"]
+  assert not compare(a, b)[0]["same"]
+
+
+def test_ab_kernels_selects_cells_by_name():
+  from experiments import ab_kernels
+  names = [c.name for c in ab_kernels.select_cases("fa2 16K d128 causal,LM")]
+  assert names == ["fa2 16K d128 causal", "LM 4K d128 causal"]
+  assert ab_kernels.select_cases(None) == ab_kernels.specs.FA2_QUICK
+  with pytest.raises(ValueError, match="names none"):
+    ab_kernels.select_cases("no such cell")
+  with pytest.raises(ValueError, match="leave out --cells"):
+    ab_kernels.select_cases("LM", tiny=True)
+
+
+def test_profile_step_counts_only_the_innermost_events():
+  # A host while loop's event spans its body's op events on the same line.
+  from types import SimpleNamespace as E
+  from experiments.profile_step import leaves
+  loop, a, b, after = E(start_ns=0, duration_ns=100), E(start_ns=10, duration_ns=20), \
+      E(start_ns=40, duration_ns=30), E(start_ns=100, duration_ns=5)
+  assert leaves([b, loop, after, a]) == [a, b, after]
+
+
 def copy_packages(tree):
   """A copy of this tree's packages (as another commit's worktree would hold them)."""
   import shutil

@@ -372,6 +372,19 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
+def test_interpreted_causal_dq_over_several_query_blocks():
+  """T = S = 260 with two consumers: three dQ programs of 128 query rows, launched from
+  the heaviest (`query_block_order`), each consumer's rows taken from the remapped
+  block; the last block is padded in the wrapper."""
+  q, k, v, do = random_qkv((1, 260, 260, 2, 1, 64), jnp.bfloat16, seed=3)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125,
+                          config=mb.BackwardConfig(consumers=2),
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
 def test_interpreted_by_role_gqa_causal_with_tails(monkeypatch, capsys):
   """head_dim 256 (`by_role`): one consumer computes S^T and accumulates dK, the other
   dP^T and dV, P^T (two slots) and float32 dP^T (one) passing between them through

@@ -747,15 +747,15 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
       pipe, ranges, b, j, own), consume)
 
 
-def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, group, interpret, consumers,
-               stages):
+def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
+               consumers, stages):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two share the key tiles
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows."""
   r = dict(zip(names, refs))
   bq = ROWS
-  ranges = r["ranges"]      # [B, query blocks, ...]
-  i = query_block_order(ranges.shape[1], opts)(lax.axis_index("q"))
+  ranges = r["ranges"]
+  i = query_block_order(num_q_blocks, opts)(lax.axis_index("q"))
   n, b = lax.axis_index("heads"), lax.axis_index("batch")
   H = r["q_smem"].shape[-1]
   mm = _Products(interpret, r.get("acc"))
@@ -1011,7 +1011,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq, bk = dq_consumers * ROWS, config.block_n
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
-  (dq,) = call(functools.partial(_dq_kernel, bk=bk), (Tp // bq, N, B),
+  (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq), (Tp // bq, N, B),
                ("q", "heads", "batch"), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)],
                C=dq_consumers)

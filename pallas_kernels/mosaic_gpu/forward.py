@@ -696,10 +696,10 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       compiler_params=compiler_params(config.semantics),
       **extra,
   )(qp, kp, vp, ranges, *seg.values())
-  # XLA's dynamic-slice fusion folds a dynamic-update-slice of a custom call's result
-  # (a scan over layers stacking this output as a residual for the backward) into a
-  # fusion around the call and keeps the original call for the output's other users,
-  # so the kernel runs twice per layer (openxla/xla#45799). The barrier hides the call
-  # from that rewrite; it moves no data.
+  # XLA's dynamic-slice fusion (jax 0.11) folds a dynamic-update-slice of a custom
+  # call's result (a scan stacking this output as a residual for the backward) into a
+  # fusion around the call, and keeps the original call for the output's other users:
+  # the kernel runs twice. The barrier hides the call from that rewrite and moves no
+  # data; it can go once the XLA in use reroutes those users (openxla/xla#45799).
   out, lse = lax.optimization_barrier((out, lse))
   return out[:, :T], lse[:, :, :T]
