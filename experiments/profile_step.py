@@ -1,7 +1,8 @@
 """Where one decoder-LM training step's time goes, per HLO op, from JAX's own profiler.
 
-The step of `seq_scaling --parts lm` (same presets and model), compiled once, warmed up,
-then `--steps` steps under `jax.profiler.trace`. The trace's device events (the GPU's
+The step of `seq_scaling --parts lm` (same presets and model), compiled once, timed as
+seq_scaling times it (`--warmup` calls, `--steps` rounds), then `--steps` steps under
+`jax.profiler.trace`. The trace's device events (the GPU's
 kernels; on a CPU, the host's XLA ops) of the step's module are summed per HLO op
 (the `hlo_op` stat XLA attaches, else the event's name) and kernel, divided by the
 steps. Times are the events' own durations: ops that run concurrently on different
@@ -18,7 +19,6 @@ import collections
 import dataclasses
 import gzip
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -52,11 +52,9 @@ def device_events(xspace: bytes, module: str):
   def events(chosen):
     for plane in chosen:
       for line in plane.lines:
-        named = [(e, dict(e.stats)) for e in line.events]
-        stats = {id(e): st for e, st in named}
-        ours = [e for e, st in named if module in str(st.get("hlo_module", ""))]
+        ours = [e for e in line.events if module in str(dict(e.stats).get("hlo_module", ""))]
         for e in leaves(ours):
-          yield str(stats[id(e)].get("hlo_op") or e.name), e.name, e.duration_ns
+          yield str(dict(e.stats).get("hlo_op") or e.name), e.name, e.duration_ns
   found = list(events([p for p in planes if p.name.startswith(DEVICE_PLANE)]))
   return found or list(events(planes))
 
@@ -95,18 +93,17 @@ def main(argv=None):
   compiled = step.lower(*state).compile()
   params, opt_state, *data = state
 
-  def run(n):
+  def one_step():
     nonlocal params, opt_state
-    for _ in range(n):
-      params, opt_state, loss = compiled(params, opt_state, *data)
-    return float(loss)
-  run(args.warmup)
-  t = time.perf_counter()
-  run(args.steps)
-  wall_ms = (time.perf_counter() - t) / args.steps * 1e3
+    params, opt_state, loss = compiled(params, opt_state, *data)
+    return loss
+  # The step timed as seq_scaling times it (median of rounds), then traced.
+  wall_ms = common.time_calls(one_step, rounds=args.steps, warmup=args.warmup)["median_s"] * 1e3
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
-      run(args.steps)
+      for _ in range(args.steps):
+        loss = one_step()
+      jax.block_until_ready(loss)
     (trace,) = Path(d).glob("**/*.xplane.pb")
     rows, total_ms = per_op(device_events(trace.read_bytes(), "step"), args.steps, args.top)
   extra = dict(total_ms_per_step=total_ms, wall_ms_per_step=round(wall_ms, 3),
