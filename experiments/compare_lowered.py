@@ -28,11 +28,6 @@ KERNELS = ("pallas_kernels.masking", "pallas_kernels.mosaic_gpu.forward",
            "pallas_kernels.mosaic_gpu.backward")
 
 
-def load_kernels(tree: Path) -> dict:
-  """The tree's Mosaic GPU kernel modules, imported apart from the process's own."""
-  return load_modules(tree, KERNELS)
-
-
 def lowered_kernels(modules: dict, B, T, N, K, H, causal, num_sms=132) -> dict[str, list[str]]:
   """{"forward": [...], "backward": [...]}: the printed Mosaic GPU modules of one call."""
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -84,7 +79,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   shape = (args.batch, args.seq, args.heads, args.kv_heads or args.heads, args.head_dim,
            args.causal)
-  this, base = (lowered_kernels(load_kernels(t.resolve()), *shape)
+  this, base = (lowered_kernels(load_modules(t.resolve(), KERNELS), *shape)
                 for t in (TREE, args.base))
   rows = compare(base, this)
   for r in rows:
