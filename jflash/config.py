@@ -141,7 +141,8 @@ class MosaicGPUConfig(BackendConfig):
       (pallas_kernels/mosaic_gpu/backward.py), head_dim 64, 128 or 256.
     backward_block_n: whenever the Mosaic GPU backward runs, the N of each of its
       kernels' first products (query rows per tile of the dK/dV kernel, key rows per
-      tile of the dQ kernel): 64, 128, 192 or 256; None takes the kernel's default.
+      tile of the dQ kernel unless backward_dq_block_n sets those): 64, 128, 192 or
+      256; None takes the kernel's default.
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
       program: 1, or 2 with a producer warpgroup (warp-specialised); None takes the
       default, 2, the faster on the H200 (`pallas_kernels.mosaic_gpu.backward
@@ -159,6 +160,18 @@ class MosaicGPUConfig(BackendConfig):
       a causal call whose dK/dV grid has fewer programs than the kernel's
       CAUSAL_MIN_PROGRAMS, the fewest splits that reach it (or the most that fit
       shared memory).
+    backward_dq_block_n: whenever the Mosaic GPU backward runs, key rows per tile of
+      its dQ kernel where they differ from backward_block_n; None: the same.
+    backward_dq_rows_in_registers, backward_dkv_rows_in_registers: whenever the Mosaic
+      GPU backward runs, its dQ kernel (dK/dV kernel) keeps the fixed Q and dO (K and V)
+      rows of each consumer in registers, as the register operand of its first two
+      matrix products, in place of reading them from shared memory for each product
+      (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None takes the kernel's
+      default (`call_config`): the dQ kernel's rows in registers wherever it runs two
+      consumers, the dK/dV kernel's in shared memory.
+    backward_stages: whenever the Mosaic GPU backward runs, shared-memory slots of the
+      tiles its producer warpgroups stream (>= 2; a program of one warpgroup, as the
+      dQ kernel's at head_dim 256, double-buffers its own); None: 2.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -169,7 +182,11 @@ class MosaicGPUConfig(BackendConfig):
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
       "backward_block_n": "block_n", "backward_consumers": "consumers",
-      "backward_fused_dq": "fused_dq", "backward_group_splits": "group_splits"}
+      "backward_fused_dq": "fused_dq", "backward_group_splits": "group_splits",
+      "backward_dq_block_n": "dq_block_n",
+      "backward_dq_rows_in_registers": "dq_rows_in_registers",
+      "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
+      "backward_stages": "stages"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -184,15 +201,19 @@ class MosaicGPUConfig(BackendConfig):
   backward_consumers: int | None = None
   backward_fused_dq: bool | None = None
   backward_group_splits: int | None = None
+  backward_dq_block_n: int | None = None
+  backward_dq_rows_in_registers: bool | None = None
+  backward_dkv_rows_in_registers: bool | None = None
+  backward_stages: int | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:
       raise ValueError(f"backward={self.backward!r} must be one of {self.backward_kinds}")
     # The backward's tile rules live with the kernel's own record: building one checks
     # them (its fields are these without the "backward_" prefix).
-    from pallas_kernels.mosaic_gpu.backward import BackwardConfig
+    from pallas_kernels.mosaic_gpu.backward import two_consumer_config
     try:
-      BackwardConfig(**self.backward_fields())
+      two_consumer_config(**self.backward_fields())
     except ValueError as e:   # the kernel record's field names, as named here
       named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",

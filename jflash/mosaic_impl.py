@@ -113,7 +113,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   - one key head per query head, with the default backward fields (the config that was
     timed), query and key lengths from MHA_MIN_SEQ and whole tiles of the program's
     128 rows: the Mosaic GPU backward (16K d128 527.5 against 464.7, causal 505.5
-    against 467.7, mosaic_bwd_regs240_h200.log); shorter, the Triton backward; off
+    against 467.7, mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in
+    shared memory; in registers, the default since, 1.009x and 1.027x that,
+    ab_dq_rows_in_registers_h200.json); shorter, the Triton backward; off
     the tiles too, since the Mosaic GPU backward pads its inputs in HBM (T = S = 3000
     causal ran 299.8 TF/s with it, bench_model_h200.json, where the Triton backward
     had run 335 the run before);

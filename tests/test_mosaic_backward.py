@@ -50,7 +50,7 @@ def test_backward_choice_and_validation():
   mha = jax.ShapeDtypeStruct((1, n, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(mha, mha, *jflash.prepare(q128, q128, q128)) == "mosaic_gpu"
   assert mosaic_impl.backward_config(mha, mha, *jflash.prepare(q128, q128, q128)) == \
-      mb.BackwardConfig(consumers=2)
+      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True)
   short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(short, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
   ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # padded in HBM
@@ -93,9 +93,9 @@ def test_backward_choice_and_validation():
   mqa_q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)   # MQA 16/1 16K causal:
   mqa_k = jax.ShapeDtypeStruct((1, 16384, 1, 128), jnp.bfloat16)    # 128 programs x 4
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
-      consumers=2, group_splits=4)
+      consumers=2, group_splits=4, dq_rows_in_registers=True)
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *jflash.prepare(q128, k128, v128)) == \
-      mb.BackwardConfig(consumers=2)                     # not causal: never split
+      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True)   # not causal: never split
   # The split counts the caller's own consumers, stops where shared memory ends, and is
   # the caller's when set; "auto" runs the Triton backward for fields that do not fit.
   def causal_with(**fields):
@@ -126,24 +126,38 @@ def test_backward_choice_and_validation():
   tiled = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_block_n=128))[0]
   assert mosaic_impl.backward_config(q, k, tiled, masks) == mb.BackwardConfig(
-      consumers=2, block_n=128)
+      consumers=2, block_n=128, dq_rows_in_registers=True)
   assert mosaic_impl.kernel_config(q, tiled, masks) == mosaic_impl.kernel_config(q, cfg, masks)
-  with pytest.raises(ValueError, match="semantics='auto'"):
-    mb.BackwardConfig(semantics="auto")
-  with pytest.raises(ValueError, match="consumers=3"):
-    mb.BackwardConfig(consumers=3)
-  with pytest.raises(ValueError, match="backward_consumers=3"):
-    jflash.MosaicGPUConfig(backward_consumers=3)
-  with pytest.raises(ValueError, match="backward_block_n=96"):
-    jflash.MosaicGPUConfig(backward_block_n=96)
-  with pytest.raises(ValueError, match="fused_dq=1"):
-    mb.BackwardConfig(fused_dq=1)
+  # each bad field named as the caller wrote it
+  for record, fields, match in (
+      (mb.BackwardConfig, dict(semantics="auto"), "semantics='auto'"),
+      (mb.BackwardConfig, dict(consumers=3), "consumers=3"),
+      (mb.BackwardConfig, dict(fused_dq=1), "fused_dq=1"),
+      (mb.BackwardConfig, dict(dq_rows_in_registers=1), "dq_rows_in_registers=1"),
+      (jflash.MosaicGPUConfig, dict(backward_consumers=3), "backward_consumers=3"),
+      (jflash.MosaicGPUConfig, dict(backward_block_n=96), "backward_block_n=96"),
+      (jflash.MosaicGPUConfig, dict(backward_dkv_rows_in_registers="yes"),
+       "backward_dkv_rows_in_registers='yes'"),
+      (jflash.MosaicGPUConfig, dict(backward_stages=1), "backward_stages=1"),
+      (jflash.MosaicGPUConfig, dict(backward_dq_block_n=32), "backward_dq_block_n=32")):
+    with pytest.raises(ValueError, match=match):
+      record(**fields)
+  # the dQ kernel's rows in registers by default where it runs two consumers; a
+  # caller's choice kept
+  own = lambda **fields: mosaic_impl.backward_config(q, k, jflash.prepare(
+      q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))[0], masks)
+  assert own(backward_dq_block_n=128) == mb.BackwardConfig(
+      consumers=2, dq_block_n=128, dq_rows_in_registers=True)
+  assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(consumers=2)
+  assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1)
+  assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
+  with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
+    jflash.MosaicGPUConfig(backward_fused_dq=True, backward_dq_rows_in_registers=True)
+  # the dQ kernel's slots count where they are wider than the dK/dV kernel's
+  assert mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2, dq_block_n=128)) == \
+      mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2)) + 2 * 2 * 64 * 128 * 2
   with pytest.raises(ValueError, match="backward_fused_dq=True needs backward_block_n=64"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
-  fused = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
-      backward="mosaic_gpu", backward_fused_dq=True))[0]
-  assert mosaic_impl.backward_config(q, k, fused, masks) == mb.BackwardConfig(
-      consumers=2, fused_dq=True)
   # A combination that overflows shared memory is refused before it is compiled.
   for H in mb.HEAD_DIMS:
     for consumers in (1, 2):
@@ -166,8 +180,8 @@ def test_group_splits_validation_and_limits():
   q, k, v = random_qkv((1, 16, 16, 4, 2, 128), jnp.bfloat16)[:3]      # a group of 2
   own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_group_splits=2))
-  assert mosaic_impl.backward_config(q, k, *own) == mb.BackwardConfig(consumers=2,
-                                                                       group_splits=2)
+  assert mosaic_impl.backward_config(q, k, *own) == mb.BackwardConfig(
+      consumers=2, group_splits=2, dq_rows_in_registers=True)
   mosaic_impl.check_call(q, k, v, *own, **HOPPER)
   for splits in (3, 4):     # the config alone does not know the group: the call's check
     with pytest.raises(NotImplementedError, match=f"group_splits={splits} does not divide "
@@ -201,7 +215,9 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
   for fields, why in ((dict(backward_consumers=1), "consumers=1"),
                       (dict(backward_fused_dq=True), "fused_dq=True"),
-                      (dict(backward_group_splits=2), "group_splits=2")):
+                      (dict(backward_group_splits=2), "group_splits=2"),
+                      (dict(backward_dq_rows_in_registers=True), "dq_rows_in_registers=True"),
+                      (dict(backward_dkv_rows_in_registers=True), "dkv_rows_in_registers=True")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
       mosaic_impl.check_call(q, k, v, *own, **HOPPER)
@@ -285,6 +301,31 @@ def test_warp_specialised_kernels_take_the_backward_register_split():
   for text in modules:
     counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", text))
     assert counts == [24, mb.CONSUMER_REGISTERS] == [24, 240]
+
+
+def _first_products_a(module: str, n: int) -> set[str]:
+  """How the A operand of a module's m64 x n products is passed: "registers" (a
+  brace list of registers) or "shared" (a shared-memory matrix descriptor)."""
+  found = re.findall(rf"m64n{n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, (\{{|\$)", module)
+  return {"registers" if a == "{" else "shared" for a in found}
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_lowers_with_rows_in_registers(H):
+  """dq_rows_in_registers / dkv_rows_in_registers: the first two products of that
+  kernel (N = block_n = 64) take A from registers, every mask path, tails on both
+  sides; the other kernel's stay in shared memory. At H = 128 these are each kernel's
+  only N = 64 products; at H = 64 the last products (dQ, or dV and dK, N = H) are too,
+  and take A (dS', P^T, dS'^T) from registers either way."""
+  from tests.test_mosaic import _kernel_modules
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  for dq, dkv in ((True, False), (False, True)):
+    config = mb.BackwardConfig(consumers=2, dq_rows_in_registers=dq, dkv_rows_in_registers=dkv)
+    modules = _kernel_modules(_lowered(H, opts, with_masks=True, config=config))
+    for module, in_registers in zip(modules, (dkv, dq)):      # dK/dV, dQ
+      a = _first_products_a(module, 64)
+      assert ("shared" in a) == (not in_registers)
+      assert ("registers" in a) == (in_registers or H == 64)
 
 
 @pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
@@ -372,6 +413,24 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_interpreted_kernel_options(consumers):
+  """Both kernels' fixed rows read into registers as their first products' A operands
+  (`dq_rows_in_registers`, `dkv_rows_in_registers`), the dQ kernel on key tiles of
+  128 while the dK/dV kernel keeps query tiles of 64 (`dq_block_n`), and with two
+  consumers three slots: GQA (the dK/dV program's tiles run on across its two query
+  heads), causal, T = 70 and S = 150 (a partial last tile on each side, two key tiles
+  in dQ)."""
+  q, k, v, do = random_qkv((1, 70, 150, 4, 2, 64), jnp.bfloat16, seed=5)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.BackwardConfig(consumers=consumers, dq_block_n=128, dq_rows_in_registers=True,
+                             dkv_rows_in_registers=True, stages=1 + consumers)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
 def test_interpreted_causal_dq_over_several_query_blocks():
   """T = S = 260 with two consumers: three dQ programs of 128 query rows, launched from
   the heaviest (`query_block_order`), each consumer's rows taken from the remapped
@@ -439,7 +498,7 @@ def test_interpreted_default_backward_splits_a_small_causal_group():
   cfg, masks = jflash.prepare(q, k, v, is_causal=True,
                               config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
   assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
-      consumers=2, group_splits=2)
+      consumers=2, group_splits=2, dq_rows_in_registers=True)
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   _check_grads(got, q, k, v, do, is_causal=True)
 

@@ -1,7 +1,8 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
 (dq, dk, dv). Checked on the H200 against float64 (experiments/results/
-mosaic_backward_check_h200.json) and, on a CPU, by lowering and by Mosaic GPU's own
-interpreter (tests/test_mosaic_backward.py).
+mosaic_backward_check_h200.json; the dQ kernel's rows in registers, the default since,
+mosaic_backward_check_rows_in_registers_h200.json) and, on a CPU, by lowering and by
+Mosaic GPU's own interpreter (tests/test_mosaic_backward.py).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
 Algorithm 2): P = exp2(s * c - lse2) is recomputed from the base-2 log-sum-exp,
@@ -92,7 +93,7 @@ class BackwardConfig:
 
   block_n: the N of each kernel's first products: query rows per tile in the dK/dV
     kernel (S^T is [64, block_n]), key rows per tile in the dQ kernel (S is
-    [64, block_n]); a multiple of 64, <= 256.
+    [64, block_n]) unless `dq_block_n` sets those; a multiple of 64, <= 256.
   semantics: Mosaic GPU's lowering semantics, pinned as in the forward ("lane":
     explicit register layouts, as this kernel is written).
   consumers: warpgroups that compute, each owning 64 rows of the program's fixed
@@ -113,6 +114,22 @@ class BackwardConfig:
     mosaic_bwd_regs240_h200.log): at 232 registers ptxas serialised its matrix
     products for want of registers and spilled (experiments/results/ptxas_h200/: the
     dQ result beside the dK and dV accumulators did not fit).
+  dq_block_n: key rows per tile of the dQ kernel (the N of its S and dP), where it
+    differs from the dK/dV kernel's block_n; None: block_n.
+  dq_rows_in_registers: the dQ kernel's consumers hold their fixed Q and dO rows in
+    registers (32 + 32 per thread at d = 128), as the A operands of S = Q K^T and
+    dP = dO V^T, so that those products read only K and V from shared memory. A
+    product m64nNk16 with both operands in shared memory reads (64 + N) x 16 x 2 bytes
+    for 64 N 16 multiply-adds: at N = 64, 4 KiB per 32 cycles of the tensor cores
+    (2048 bf16 multiply-adds per cycle per multiprocessor at the H100's dense rate),
+    which is all of shared memory's 128 bytes per cycle (32 banks of 4 bytes); with A
+    in registers, half of it. Measured on the H200, it gained 1-3% of fwd+bwd (so
+    shared memory was not what held the kernel); `call_config` takes it wherever the
+    dQ kernel runs two consumers.
+  dkv_rows_in_registers: the same for the dK/dV kernel's fixed K and V rows (the A
+    operands of S^T = K Q^T and dP^T = V dO^T): 16 + 16 registers at d = 64 (level
+    there on the H200); at d = 128 they take 32 + 32 beside dK and dV's 128, where the
+    consumer already spills (correct on the H200, not timed).
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -128,6 +145,9 @@ class BackwardConfig:
   stages: int = 2
   fused_dq: bool = False
   group_splits: int = 1
+  dq_block_n: int | None = None
+  dq_rows_in_registers: bool = False
+  dkv_rows_in_registers: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -138,11 +158,18 @@ class BackwardConfig:
       raise ValueError(f"consumers={self.consumers!r} must be 1 or 2")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
-    if not isinstance(self.fused_dq, bool):
-      raise ValueError(f"fused_dq={self.fused_dq!r} must be a bool")
+    if self.dq_block_n is not None and (not isinstance(self.dq_block_n, int)
+                                        or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
+      raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
+    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
         or self.group_splits < 1:
       raise ValueError(f"group_splits={self.group_splits!r} must be a positive int")
+    if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers):
+      raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r} "
+                       f"and dq_rows_in_registers={self.dq_rows_in_registers!r} are its fields")
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
       # double its accumulator registers, on top of dK and dV's).
@@ -177,16 +204,32 @@ def dkv_programs(B: int, K: int, S: int, head_dim: int, config: BackwardConfig) 
   return B * K * -(-S // dkv_keys(head_dim, config)) * config.group_splits
 
 
+def two_consumer_config(**fields) -> BackwardConfig:
+  """The caller's BackwardConfig `fields` over two consumers: `call_config` before its
+  per-call choices (the fields a caller's config is checked against)."""
+  return BackwardConfig(**{"consumers": 2, **fields})
+
+
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
-  caller's BackwardConfig `fields` over two consumers; for a causal call whose dK/dV
-  grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the
-  caller's, the fewest splits of its GQA group (N / K query heads) that reach it, or
-  the most that fit shared memory. (Under jax.vmap, B is one problem's batch: the
+  caller's BackwardConfig `fields` over two consumers; unless the caller set
+  dq_rows_in_registers, the dQ kernel's rows in registers where it runs with two (not
+  at the head dims split by role, whose one dQ warpgroup has no registers for them
+  beside dQ, nor with fused_dq, where no dQ kernel runs); for a causal call whose dK/dV
+  grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
+  the fewest splits of its GQA group (N / K query heads) that reach it, or the most
+  that fit shared memory. (Under jax.vmap, B is one problem's batch: the
   grid is then larger than counted, and the split at most larger than needed.)"""
   B, S, K, H = k_shape
   group = q_shape[2] // K
-  config = BackwardConfig(**{"consumers": 2, **fields})
+  config = two_consumer_config(**fields)
+  # Against Q and dO read from shared memory, fwd+bwd in alternating rounds of one
+  # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
+  # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
+  # attention 1.015x.
+  if (config.consumers == 2 and not by_role(H) and not config.fused_dq
+      and "dq_rows_in_registers" not in fields):
+    config = dataclasses.replace(config, dq_rows_in_registers=True)
   if causal and "group_splits" not in fields and not by_role(H):
     for splits in (d for d in range(2, group + 1) if group % d == 0):
       if dkv_programs(B, K, S, H, config) >= CAUSAL_MIN_PROGRAMS:
@@ -200,26 +243,30 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
-  fixed 64-row tiles and the two streamed operands' slots, plus the forward's slack
-  for barriers and alignment; with `fused_dq`, each consumer's dS' tile and its float32
-  dQ tile on the way to global memory; with `group_splits` > 1, each consumer's
-  float32 tile of partial dK, then dV, on the way to global memory."""
+  fixed 64-row tiles and the two streamed operands' slots (block_n rows in the dK/dV
+  kernel, `dq_block_n` in the dQ kernel), plus the forward's slack for barriers and
+  alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
+  way to global memory; with `group_splits` > 1, each consumer's float32 tile of
+  partial dK, then dV, on the way to global memory."""
   slots = 2 if config.consumers == 1 else config.stages
   tile = ROWS * head_dim * itemsize
-  streamed = slots * 2 * config.block_n * head_dim * itemsize
+  streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
+  dq_rows = config.dq_block_n or config.block_n
   partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
   if by_role(head_dim):
     # dK/dV: K and V once (one consumer each), two slots of the P^T tile and one of the
     # float32 dP^T tile they pass each other; dQ: one warpgroup, two slots.
     passed = ROWS * config.block_n * (2 * itemsize + 4)
-    dkv = 2 * tile + streamed + passed + partial
-    dq = 2 * tile + 2 * 2 * config.block_n * head_dim * itemsize
+    dkv = 2 * tile + streamed(config.block_n) + passed + partial
+    dq = 2 * tile + streamed(dq_rows, 2)
     return max(dkv, dq) + SMEM_SLACK
   fixed = config.consumers * 2 * tile
-  dq = 0
+  fused = 0
   if config.fused_dq:
-    dq = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
-  return fixed + streamed + dq + partial + SMEM_SLACK
+    fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
+  dkv = fixed + streamed(config.block_n) + fused + partial
+  dq = 0 if config.fused_dq else fixed + streamed(dq_rows)
+  return max(dkv, dq) + SMEM_SLACK
 
 
 def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
@@ -227,11 +274,14 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   (`by_role`), the dK/dV kernel runs two consumers, no dQ product and no group split
   (its float32 partial tiles of 64 x 256 would not fit shared memory either)."""
   if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
-                            or config.group_splits != 1):
+                            or config.group_splits != 1 or config.dq_rows_in_registers
+                            or config.dkv_rows_in_registers):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
-            f"holding dK and one dV, no fused dQ and no group split: got "
-            f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
-            f"group_splits={config.group_splits}")
+            f"holding dK and one dV, no fused dQ, no group split and no fixed rows in "
+            f"registers: got consumers={config.consumers}, fused_dq={config.fused_dq}, "
+            f"group_splits={config.group_splits}, "
+            f"dq_rows_in_registers={config.dq_rows_in_registers}, "
+            f"dkv_rows_in_registers={config.dkv_rows_in_registers}")
   return None
 
 
@@ -516,14 +566,15 @@ def _produce_query_tiles(pipe, ranges, b, j, own):
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, group_splits=1, fused_dq=False):
+                stages, group_splits=1, fused_dq=False, rows_in_registers=False):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
   streams its own query tiles (double buffering). Two: each consumer warpgroup owns 64
   keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
   `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
-  (`BackwardConfig.fused_dq`)."""
+  (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
+  registers (`BackwardConfig.dkv_rows_in_registers`)."""
   plgpu = _plgpu()
   r = dict(zip(names, refs))
   bk = ROWS
@@ -564,6 +615,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     keys = pl.ds(key0, bk)
     _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0])
     _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])
+    k_a, v_a = (k_smem[...], v_smem[...]) if rows_in_registers else (k_smem, v_smem)
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
     kv_seg = key_segments(keys)
     query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=key0, opts=opts,
@@ -601,11 +653,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       rows = pl.ds(i * bq, bq)
       lse2, delta, keep = query_side(n, i, masked, kv_seg)
       q_smem, do_smem = acquire(t)
-      s_t = mm.fresh(k_smem, q_smem, (bk, bq), b_t=True)       # S^T = K Q^T
+      s_t = mm.fresh(k_a, q_smem, (bk, bq), b_t=True)          # S^T = K Q^T
       p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
       # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
       # dV product, and dK += dS'^T Q follows it on the tensor cores.
-      dp_t = mm.fresh_under(v_smem, do_smem, (bk, bq), b_t=True,
+      dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True,
                             then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
       if fused_dq:
@@ -748,10 +800,12 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
-               consumers, stages):
+               consumers, stages, rows_in_registers=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two share the key tiles
-  a producer warpgroup streams (`_Pipeline`), each owning 64 query rows."""
+  a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
+  `rows_in_registers`: Q and dO enter S and dP from registers
+  (`BackwardConfig.dq_rows_in_registers`)."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -775,6 +829,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
       pl.when(hi > lo)(lambda: start(lo))
     _load_tile(r["q"].at[b, rows, n], q_smem, fixed_loaded[0])
     _load_tile(r["do"].at[b, rows, n], do_smem, fixed_loaded[1])
+    q_a, do_a = (q_smem[...], do_smem[...]) if rows_in_registers else (q_smem, do_smem)
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
     delta = along_keys(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
@@ -796,7 +851,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
         keep = structured_keep(row0 + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
                                q_seg=q_seg, kv_seg=kv_seg)
       k_smem, v_smem = acquire(t)
-      s, dp = mm.fresh_pair(q_smem, k_smem, do_smem, v_smem, (bq, bk), b_t=True)  # QK^T, dO V^T
+      s, dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True)  # QK^T, dO V^T
       p, c = _tile_p(s, lse2, opts=opts, scale=scale, keep=keep)
       mm.issue(dq_acc, _tile_ds(p, c, dp, delta).astype(k_smem.dtype), k_smem)  # dQ += dS' K
       mm.wait()          # this tile's slot is refilled once the product is done
@@ -995,7 +1050,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # axis of every output, as the in-place launch's batching rule (fused_dq) takes it.
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
-  dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits), grid, grid_names,
+  dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
+                               rows_in_registers=config.dkv_rows_in_registers), grid, grid_names,
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
              partials=splits > 1, shared_fixed=roles)
@@ -1005,13 +1061,15 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   if config.fused_dq:
     return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
-  # -- dQ: consumers x ROWS query rows per program, key tiles of block_n rows (one warpgroup at
-  # the head dims split by role, whose dQ alone takes 128 registers)
+  # -- dQ: consumers x ROWS query rows per program, key tiles of dq_block_n (or block_n)
+  # rows (one warpgroup at the head dims split by role, whose dQ alone takes 128 registers)
   dq_consumers = 1 if roles else config.consumers
-  bq, bk = dq_consumers * ROWS, config.block_n
+  bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
-  (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq), (Tp // bq, N, B),
+  (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
+                                 rows_in_registers=config.dq_rows_in_registers),
+               (Tp // bq, N, B),
                ("q", "heads", "batch"), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)],
                C=dq_consumers)
