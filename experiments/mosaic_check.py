@@ -540,10 +540,11 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
 ]
 
 
-def time_backward_cells(rounds, cells, variants=({},)):
+def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas")):
   """fwd+bwd TFLOP/s (one jitted vjp with a fixed output cotangent) of mosaic_gpu with
-  the Mosaic GPU backward (each of `variants`: MosaicGPUConfig backward fields), with
-  the Triton backward, and of cuDNN. ratio_vs_cudnn is the first variant's."""
+  the Mosaic GPU backward (each of `variants`: MosaicGPUConfig backward fields) and of
+  `peers`: "pallas", mosaic_gpu with the Triton backward, and "cudnn".
+  ratio_vs_cudnn is the first variant's."""
   rows = []
   for name, B, S, N, K, H in BACKWARD_CELLS:
     if cells and not any(c in name for c in cells):
@@ -565,13 +566,13 @@ def time_backward_cells(rounds, cells, variants=({},)):
       first = next(iter(fns))
       row["configs"] = {f"{IMPL} {backward_label(fields)}": resolved_backward(
           q, k, v, fields, is_causal=causal) for fields in variants}
-      fns |= {
-          f"{IMPL} bwd=pallas": vjp_of(lambda q, k, v: jflash.attention(
-              q, k, v, is_causal=causal, implementation=IMPL,
-              config=jflash.MosaicGPUConfig(backward="pallas"))),
-          "cudnn": vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
-              q, k, v, is_causal=causal, implementation="cudnn")),
-      }
+      if "pallas" in peers:
+        fns[f"{IMPL} bwd=pallas"] = vjp_of(lambda q, k, v: jflash.attention(
+            q, k, v, is_causal=causal, implementation=IMPL,
+            config=jflash.MosaicGPUConfig(backward="pallas")))
+      if "cudnn" in peers:
+        fns["cudnn"] = vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
       for impl, fn in fns.items():
         try:
           t0 = time.perf_counter()
@@ -619,6 +620,9 @@ def main_backward(args):
   # (case names gain its label) and timed.
   variants = json.loads(args.backward_configs)
   check_backward_variants(variants)    # a bad variant fails here, before any compile
+  peers = [p for p in args.peers.split(",") if p]
+  if unknown := set(peers) - {"cudnn", "pallas"}:
+    raise ValueError(f"--peers {sorted(unknown)}: the backward's peers are cudnn and pallas")
   if args.dry_run_cpu:
     return dry_run_cpu(variants)
   checks, left_out = [], []
@@ -645,7 +649,7 @@ def main_backward(args):
         checks[-1]["name"] += suffix
         print(checks[-1], flush=True)
   timing = [] if args.no_timing else time_backward_cells(
-      args.rounds, [c for c in args.cells.split(",") if c], variants)
+      args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers)
   name = args.name
   if name == "mosaic_check_h200":      # the default: the default backward's own
     # '[{}]' runs the backward's per-call defaults (two consumers; a causal call's group

@@ -52,6 +52,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 $py -c "import jax; d = jax.devices()[0]; print('jax', jax.__version__, d, d.device_kind)"
 
+# The card's clocks, power and temperature every half second while the steps run
+# (gpu_clocks.csv): the run-to-run spread of the timings is read against them. Only
+# reads the card (METHOD.md: its settings are left alone).
+clocks_pid=
+if [ -z "${BENCH_SMOKE:-}" ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 500 >"$out/gpu_clocks.csv" 2>&1 &
+  clocks_pid=$!
+  trap 'kill "$clocks_pid" 2>/dev/null' EXIT     # also when the call's time limit ends it
+fi
+
 # 1. Correctness against float64 (the checks write their own JSON; the benchmark times).
 # PALLAS_CHECK_ARGS (e.g. "--preset fa2") narrows the Triton check; SKIP_PALLAS_CHECK=1 /
 # SKIP_MOSAIC_CHECK=1 leave out a check whose kernels are unchanged since its committed
@@ -117,5 +128,16 @@ if [ ${#parts[@]} -gt 0 ]; then
     --name "bench_attention_$tag" 2>&1 | tee "$out/report.log" | grep -v "^\[" | tail -70
 else
   echo "no benchmark JSON was written: see $out/bench_a.log and $out/bench_b.log"
+fi
+# The samples under load (over 400 W; idle and compiling drew 78-130 W here): how many
+# name the software power cap (bit 0x4 of clocks_event_reasons.active) as the clock's
+# limiter, and the SM clock they ran at.
+if [ -n "$clocks_pid" ]; then
+  kill "$clocks_pid" 2>/dev/null
+  awk -F', ' 'NR > 1 && $4 + 0 > 400 { n++; s += $2; if (!lo || $2 + 0 < lo) lo = $2 + 0
+      if ($6 ~ /[4567cdefCDEF]$/) capped++ }
+    END { if (n) printf "clocks: %d samples over 400 W, %d at the power cap; SM clock mean %.0f, min %d MHz (gpu_clocks.csv)\n", n, capped, s / n, lo
+          else print "clocks: no sample over 400 W in gpu_clocks.csv (see its lines)" }' \
+    "$out/gpu_clocks.csv"
 fi
 echo "== done in $(( SECONDS - start )) s of $budget"

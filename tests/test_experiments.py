@@ -293,6 +293,8 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   with pytest.raises(ValueError, match="needs --name"):
     mosaic_check.main(["--backward", "--no-check", "--no-timing", "--backward-configs",
                        '[{"backward_fused_dq": true}]'])
+  with pytest.raises(ValueError, match=r"--peers \['cuDNN'\]"):   # the backward's peers by name
+    mosaic_check.main(["--backward", "--no-check", "--peers", "cuDNN,pallas"])
 
 
 def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):
