@@ -172,6 +172,10 @@ class MosaicGPUConfig(BackendConfig):
     backward_stages: whenever the Mosaic GPU backward runs, shared-memory slots of the
       tiles its producer warpgroups stream (>= 2; a program of one warpgroup, as the
       dQ kernel's at head_dim 256, double-buffers its own); None: 2.
+    backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
+      launches one program per multiprocessor looping over the work items (two
+      consumers, not with backward_fused_dq, not at head_dim 256; not yet timed on the
+      H200); None: not.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -186,7 +190,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dq_block_n": "dq_block_n",
       "backward_dq_rows_in_registers": "dq_rows_in_registers",
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
-      "backward_stages": "stages"}
+      "backward_stages": "stages", "backward_persistent": "persistent"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -205,6 +209,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_dq_rows_in_registers: bool | None = None
   backward_dkv_rows_in_registers: bool | None = None
   backward_stages: int | None = None
+  backward_persistent: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -139,7 +139,10 @@ def test_backward_choice_and_validation():
       (jflash.MosaicGPUConfig, dict(backward_dkv_rows_in_registers="yes"),
        "backward_dkv_rows_in_registers='yes'"),
       (jflash.MosaicGPUConfig, dict(backward_stages=1), "backward_stages=1"),
-      (jflash.MosaicGPUConfig, dict(backward_dq_block_n=32), "backward_dq_block_n=32")):
+      (jflash.MosaicGPUConfig, dict(backward_dq_block_n=32), "backward_dq_block_n=32"),
+      (mb.BackwardConfig, dict(persistent=True), "persistent=True runs programs of two"),
+      (jflash.MosaicGPUConfig, dict(backward_persistent=True, backward_fused_dq=True),
+       "fused_dq=True")):
     with pytest.raises(ValueError, match=match):
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
@@ -217,7 +220,8 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
                       (dict(backward_fused_dq=True), "fused_dq=True"),
                       (dict(backward_group_splits=2), "group_splits=2"),
                       (dict(backward_dq_rows_in_registers=True), "dq_rows_in_registers=True"),
-                      (dict(backward_dkv_rows_in_registers=True), "dkv_rows_in_registers=True")):
+                      (dict(backward_dkv_rows_in_registers=True), "dkv_rows_in_registers=True"),
+                      (dict(backward_persistent=True), "persistent=True")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
       mosaic_impl.check_call(q, k, v, *own, **HOPPER)
@@ -229,7 +233,7 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
 
 def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
-             dtype=jnp.bfloat16):
+             dtype=jnp.bfloat16, num_sms=None):
   q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
   k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
   lse = jax.ShapeDtypeStruct((2, N, T), jnp.float32)
@@ -239,7 +243,7 @@ def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
     if extra:
       ops = MaskOperands(q_segment_ids=extra[0], kv_segment_ids=extra[1], kv_lengths=extra[2])
     return mb.flash_backward(q, k, v, out, lse, dout, lse, scale=H ** -0.5, opts=opts,
-                             ops=ops, config=config)
+                             ops=ops, config=config, num_sms=num_sms)
   extra = []
   if with_masks:
     extra = [jax.ShapeDtypeStruct((2, T), jnp.int32), jax.ShapeDtypeStruct((2, S), jnp.int32),
@@ -326,6 +330,19 @@ def test_lowers_with_rows_in_registers(H):
       a = _first_products_a(module, 64)
       assert ("shared" in a) == (not in_registers)
       assert ("registers" in a) == (in_registers or H == 64)
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_lowers_persistent(H):
+  """`persistent`: both kernels on a grid of 132 programs (the H200's multiprocessors)
+  looping over their items, every mask path, tails on both sides, with and without a
+  group split; off a GPU the program count must be given."""
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=1 + (H == 64))
+  lowered = _lowered(H, opts, with_masks=True, config=config, num_sms=132)
+  assert lowered.count("@mosaic_gpu") == 2
+  with pytest.raises(ValueError, match="num_sms is needed"):
+    _lowered(H, opts, config=config)
 
 
 @pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
@@ -429,6 +446,22 @@ def test_interpreted_kernel_options(consumers):
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
+@pytest.mark.parametrize("H,group_splits", [(64, 2), (128, 1)])
+def test_interpreted_persistent_grids(H, group_splits):
+  """`persistent`: both kernels as two programs looping over the work items of their
+  grids (dK/dV: 2 key tiles x 2 key heads x the group splits; dQ: 4 heads), the
+  streamed-tile count going on from item to item (every slot's barriers in phase),
+  GQA causal with tails."""
+  q, k, v, do = random_qkv((1, 70, 150, 4, 2, H), jnp.bfloat16, seed=7)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=group_splits,
+                             dq_rows_in_registers=True)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
 def test_interpreted_causal_dq_over_several_query_blocks():

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,13 @@ class BackwardConfig:
     operands of S^T = K Q^T and dP^T = V dO^T): 16 + 16 registers at d = 64 (level
     there on the H200); at d = 128 they take 32 + 32 beside dK and dV's 128, where the
     consumer already spills (correct on the H200, not timed).
+  persistent: each kernel launches one program per multiprocessor, which loops over
+    the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
+    head and batch) that would each have been a program, the first axis fastest (the
+    programs running at once share their head's streamed tiles through L2), so that
+    one item's last products and stores overlap the producer's loads for the next
+    and no partial last wave is launched (the forward's `persistent`). Two consumers,
+    not with fused_dq, not at the head dims split by role. Not yet timed on the H200.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -148,6 +156,7 @@ class BackwardConfig:
   dq_block_n: int | None = None
   dq_rows_in_registers: bool = False
   dkv_rows_in_registers: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -161,7 +170,7 @@ class BackwardConfig:
     if self.dq_block_n is not None and (not isinstance(self.dq_block_n, int)
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
-    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers"):
+    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -170,6 +179,10 @@ class BackwardConfig:
     if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers):
       raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r} "
                        f"and dq_rows_in_registers={self.dq_rows_in_registers!r} are its fields")
+    if self.persistent and (self.consumers != 2 or self.fused_dq):
+      raise ValueError(f"persistent=True runs programs of two consumers and a producer "
+                       f"with a dQ kernel: got consumers={self.consumers}, "
+                       f"fused_dq={self.fused_dq}")
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
       # double its accumulator registers, on top of dK and dV's).
@@ -275,13 +288,14 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   (its float32 partial tiles of 64 x 256 would not fit shared memory either)."""
   if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
                             or config.group_splits != 1 or config.dq_rows_in_registers
-                            or config.dkv_rows_in_registers):
+                            or config.dkv_rows_in_registers or config.persistent):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
-            f"holding dK and one dV, no fused dQ, no group split and no fixed rows in "
-            f"registers: got consumers={config.consumers}, fused_dq={config.fused_dq}, "
-            f"group_splits={config.group_splits}, "
+            f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
+            f"registers and no persistent grid: got consumers={config.consumers}, "
+            f"fused_dq={config.fused_dq}, group_splits={config.group_splits}, "
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
-            f"dkv_rows_in_registers={config.dkv_rows_in_registers}")
+            f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
+            f"persistent={config.persistent}")
   return None
 
 
@@ -502,7 +516,7 @@ class _Pipeline:
   def acquire(self, t):
     plgpu = _plgpu()
     slot = lax.rem(t, self.stages)
-    for a in range(len(self.srcs)):
+    for a in range(len(self.smems)):
       plgpu.barrier_wait(self.loaded.at[a * self.stages + slot])
     return tuple(smem.at[slot] for smem in self.smems)
 
@@ -552,21 +566,58 @@ def _dkv_query_side(r, b, n, i, masked, kv_seg, *, bq, key0, opts, kv_len, inter
   return lse2, delta, keep
 
 
-def _produce_query_tiles(pipe, ranges, b, j, own):
+def _produce_query_tiles(pipe, ranges, b, j, own, base=None):
   """The producer of the dK/dV kernels: the visited query tiles of key tile j, for each
-  of the program's `own` query heads in turn (the consumers' loop order)."""
+  of the program's `own` query heads in turn (the consumers' loop order). `base`: the
+  tiles the program streamed before this work item (persistent), whose count goes on
+  and whose last slots the caller drains; returned with this item's added."""
   lo, _, _, hi = _row(ranges, b, j)
   per_head = hi - lo
+  counted = _counted_from(base)
 
   def load(t, _):
-    pipe.produce(t, lo + lax.rem(t, per_head), lax.div(t, per_head))
+    pipe.produce(counted(t), lo + lax.rem(t, per_head), lax.div(t, per_head))
   total = own * per_head
   lax.fori_loop(0, total, load, None)
-  pipe.drain(total)
+  if base is None:
+    pipe.drain(total)
+  return _count_after(base, lambda: total)
+
+
+def _counted_from(count):
+  """t -> the program's count of streamed tiles at an item's t-th: t itself in a
+  program of one item (no index arithmetic added), count + t in a persistent one."""
+  return (lambda t: t) if count is None else (lambda t: count + t)
+
+
+def _count_after(count, tiles):
+  """The count after an item of `tiles` streamed tiles (persistent), or None in a
+  program of one item, which computes nothing for it."""
+  return None if count is None else count + tiles()
+
+
+def _for_each_item(num_items, num_ctas, item):
+  """The persistent grid's loop: this program (axis "sm") runs work items cta,
+  cta + num_ctas, ... as item(w, count) -> count, the count (of streamed tiles) going
+  on from one item to the next from 0; returns the last."""
+  cta = lax.axis_index("sm")
+  steps = lax.div(num_items - cta + num_ctas - 1, jnp.int32(num_ctas))
+  return lax.fori_loop(0, steps, lambda k, count: item(cta + k * num_ctas, count),
+                       jnp.int32(0))
+
+
+def _split_index(w, sizes):
+  """The coordinates of flat index w over axes of `sizes`, the first axis fastest."""
+  coords = []
+  for size in sizes[:-1]:
+    coords.append(lax.rem(w, jnp.int32(size)))
+    w = lax.div(w, jnp.int32(size))
+  return (*coords, w)
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, group_splits=1, fused_dq=False, rows_in_registers=False):
+                stages, group_splits=1, fused_dq=False, rows_in_registers=False,
+                persistent=None):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
@@ -574,27 +625,104 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
   `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
   (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
-  registers (`BackwardConfig.dkv_rows_in_registers`)."""
-  plgpu = _plgpu()
+  registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` = (work items,
+  programs, the grid's sizes): each program of two consumers loops over work items
+  (key tile, key head, split, batch) of the grid it stands for
+  (`BackwardConfig.persistent`)."""
   r = dict(zip(names, refs))
   bk = ROWS
-  j, kv_head, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
   H = r["q_smem"].shape[-1]
   mm = _Products(interpret, r.get("acc"))
   _, key_layout, _ = _layouts(interpret, (bk, bq))
   own = group // group_splits       # query heads per program
+  ranges = r["ranges"]
+
+  def item_at(j, kv_head, split, b):
+    """The work item of key tile j of key head kv_head (the split()-th share of its GQA
+    group) in batch b: (j, kv_head, b, head, srcs, key_segments, consume)."""
+    return _dkv_program(r, mm, j, kv_head, split, b, own=own, bk=bk, bq=bq, H=H,
+                        key_layout=key_layout, group=group, group_splits=group_splits,
+                        interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
+                        rows_in_registers=rows_in_registers)
+
+  if persistent is None:
+    j, kv_head, b, head, srcs, key_segments, consume = item_at(
+        lax.axis_index("kv"), lax.axis_index("heads"), lambda: lax.axis_index("split"),
+        lax.axis_index("batch"))
+    if by_role(H):
+      _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
+                   scale=scale, bq=bq, stages=stages, interpret=interpret)
+      return
+    if consumers == 1:
+      stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
+
+      def before(t, i, g, lo, hi):         # copy the next tile into the other slot
+        slot = lax.rem(t, 2)
+        pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
+        pl.when((i + 1 == hi) & (g + 1 < own))(lambda: stream.start(1 - slot, lo, g + 1))
+      tiles = (lambda lo: stream.start(0, lo, 0), before,
+               lambda t: stream.wait(lax.rem(t, 2)), None)
+      fixed = r["fixed_loaded"]
+      consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
+      return
+
+  fixed = r["fixed_loaded"]
+  pipe = lambda srcs: _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"],
+                                r["consumed"], stages)
+
+  def consume_as(wg, j, consume, count=None):
+    return consume(wg, r["k_smem"].at[wg], r["v_smem"].at[wg],
+                   (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (j * consumers + wg) * bk,
+                   (None, None, pipe(None).acquire, pipe(None).release), count)
+
+  if persistent is None:
+    _warp_specialised(lax.axis_index("wg"), consumers,
+                      lambda: _produce_query_tiles(pipe(srcs), ranges, b, j, own),
+                      lambda wg: consume_as(wg, j, consume))
+    return
+
+  num_items, num_ctas, sizes = persistent
+
+  def item_of(w):
+    if group_splits == 1:       # the grid (key tiles, key heads, batch)
+      j, kv_head, b = _split_index(w, sizes)
+      return item_at(j, kv_head, None, b)
+    j, kv_head, split, b = _split_index(w, sizes)
+    return item_at(j, kv_head, lambda: split, b)
+
+  def produce_all():
+    def produce(w, count):
+      j, _, b, _, srcs, _, _ = item_of(w)
+      return _produce_query_tiles(pipe(srcs), ranges, b, j, own, base=count)
+    pipe(None).drain(_for_each_item(num_items, num_ctas, produce))
+
+  def consume_all(wg):
+    def consume(w, count):
+      j, _, _, _, _, _, consume_item = item_of(w)
+      return consume_as(wg, j, consume_item, count)
+    _for_each_item(num_items, num_ctas, consume)
+
+  _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
+
+
+def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
+                 group_splits, interpret, opts, scale, fused_dq, rows_in_registers):
+  """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
+  item's group split where there are several): (j, kv_head, b, head, srcs,
+  key_segments, consume)."""
+  plgpu = _plgpu()
+  ranges = r["ranges"]
 
   def head(g):
     """The query head that is the program's g-th (g < own): program `split` of its key
     tile's group_splits runs the group's heads [split * own, (split + 1) * own)."""
     if group_splits > 1:
-      g = lax.axis_index("split") * own + g
+      g = split() * own + g
     return kv_head * group + g
   # Query tiles stream in the loop order: every visited tile of the program's first
   # head, then of its second, ...
   srcs = [lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
           lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]]
-  ranges = r["ranges"]
 
   def key_segments(keys):
     if "kv_seg" not in r:
@@ -602,16 +730,13 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     return lax.broadcast_in_dim(
         _load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
 
-  if by_role(H):
-    _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
-                 scale=scale, bq=bq, stages=stages, interpret=interpret)
-    return
-
-  def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles):
+  def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles, count=None):
     """dK, dV of keys [key0, key0 + 64). `tiles` = (start(lo), before(t, i, g, lo, hi),
-    acquire(t), release(t)) hand over the query tiles in loop order (t counts them);
-    start and before are None when a producer streams them."""
+    acquire(t), release(t)) hand over the query tiles in loop order (t counts them,
+    from `count` on in a persistent program); start and before are None when a
+    producer streams them. Returns the count after this item's tiles."""
     start, before, acquire, release = tiles
+    counted = _counted_from(count)
     keys = pl.ds(key0, bk)
     _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0])
     _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])
@@ -647,7 +772,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
-      t = g * (hi - lo) + i - lo
+      t = counted(g * (hi - lo) + i - lo)
       if before is not None:
         before(t, i, g, lo, hi)
       rows = pl.ds(i * bq, bq)
@@ -680,33 +805,16 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     if group_splits == 1:
       _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
       _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
-      return
-    # Partial sums over the program's heads, summed over the splits by flash_backward:
-    # float32 through a float32 tile, so that only the total is rounded to the input
-    # dtype (k_smem and v_smem would round each partial).
-    split, partial = lax.axis_index("split"), r["partial_smem"].at[wg]
-    _store_tile(dk * scale, partial, r["dk"].at[b, split, keys, kv_head])
-    _store_tile(dv, partial, r["dv"].at[b, split, keys, kv_head])
+    else:
+      # Partial sums over the program's heads, summed over the splits by flash_backward:
+      # float32 through a float32 tile, so that only the total is rounded to the input
+      # dtype (k_smem and v_smem would round each partial).
+      this_split, partial = split(), r["partial_smem"].at[wg]
+      _store_tile(dk * scale, partial, r["dk"].at[b, this_split, keys, kv_head])
+      _store_tile(dv, partial, r["dv"].at[b, this_split, keys, kv_head])
+    return _count_after(count, lambda: own * (hi - lo))
 
-  if consumers == 1:
-    stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
-
-    def before(t, i, g, lo, hi):         # copy the next tile into the other slot
-      slot = lax.rem(t, 2)
-      pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
-      pl.when((i + 1 == hi) & (g + 1 < own))(lambda: stream.start(1 - slot, lo, g + 1))
-    tiles = (lambda lo: stream.start(0, lo, 0), before,
-             lambda t: stream.wait(lax.rem(t, 2)), None)
-    fixed = r["fixed_loaded"]
-    consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
-    return
-
-  pipe = _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
-  fixed = r["fixed_loaded"]
-  _warp_specialised(lax.axis_index("wg"), consumers,
-                    lambda: _produce_query_tiles(pipe, ranges, b, j, own), lambda wg: consume(
-      wg, r["k_smem"].at[wg], r["v_smem"].at[wg], (fixed.at[2 * wg], fixed.at[2 * wg + 1]),
-      (j * consumers + wg) * bk, (None, None, pipe.acquire, pipe.release)))
+  return j, kv_head, b, head, srcs, key_segments, consume
 
 
 # The two consumers of the dK/dV kernel at head dims split by role (`by_role`).
@@ -800,29 +908,99 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
-               consumers, stages, rows_in_registers=False):
+               consumers, stages, rows_in_registers=False, persistent=None):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two share the key tiles
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
-  (`BackwardConfig.dq_rows_in_registers`)."""
+  (`BackwardConfig.dq_rows_in_registers`); `persistent` = (work items, programs,
+  grid): each program of two consumers loops over work items (query block, head,
+  batch) of the grid it stands for (`BackwardConfig.persistent`)."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
-  i = query_block_order(num_q_blocks, opts)(lax.axis_index("q"))
-  n, b = lax.axis_index("heads"), lax.axis_index("batch")
+  block_of = query_block_order(num_q_blocks, opts)
+  item_at = functools.partial(_dq_program, r, _Products(interpret, r.get("acc")), bq=bq,
+                              bk=bk, group=group, interpret=interpret, opts=opts,
+                              scale=scale, rows_in_registers=rows_in_registers)
+  fixed = r["fixed_loaded"]
+  if persistent is None:
+    i, b, srcs, consume = item_at(block_of(lax.axis_index("q")), lax.axis_index("heads"),
+                                  lax.axis_index("batch"))
+    if consumers == 1:
+      stream = _Stream(srcs, [r["k_smem"], r["v_smem"]], r["loaded"])
+
+      def before(t, j, hi):                # copy the next tile into the other slot
+        slot = lax.rem(t, 2)
+        pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
+
+      consume(0, r["q_smem"], r["do_smem"], (fixed.at[0], fixed.at[1]), i * bq,
+              (lambda lo: stream.start(0, lo), before, lambda t: stream.wait(lax.rem(t, 2)),
+               None))
+      return
+
+  pipe = lambda srcs: _Pipeline(srcs, [r["k_smem"], r["v_smem"]], r["loaded"],
+                                r["consumed"], stages)
+
+  def produce(srcs, b, i, count=None):
+    """The visited key tiles of query block i, counted from `count` on in a persistent
+    program (whose caller drains the last slots); returns the count after them."""
+    lo, _, _, hi = _row(ranges, b, i)
+    counted = _counted_from(count)
+    lax.fori_loop(0, hi - lo, lambda t, _: pipe(srcs).produce(counted(t), lo + t), None)
+    if count is None:
+      pipe(srcs).drain(hi - lo)
+    return _count_after(count, lambda: hi - lo)
+
+  def consume_as(wg, i, consume, count=None):
+    return consume(wg, r["q_smem"].at[wg], r["do_smem"].at[wg],
+                   (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (i * consumers + wg) * bq,
+                   (None, None, pipe(None).acquire, pipe(None).release), count)
+
+  if persistent is None:
+    _warp_specialised(lax.axis_index("wg"), consumers, lambda: produce(srcs, b, i),
+                      lambda wg: consume_as(wg, i, consume))
+    return
+
+  num_items, num_ctas, sizes = persistent
+
+  def item_of(w):
+    q, n, b = _split_index(w, sizes)
+    return item_at(block_of(q), n, b)
+
+  def produce_all():
+    def step(w, count):
+      i, b, srcs, _ = item_of(w)
+      return produce(srcs, b, i, count)
+    pipe(None).drain(_for_each_item(num_items, num_ctas, step))
+
+  def consume_all(wg):
+    def step(w, count):
+      i, _, _, consume = item_of(w)
+      return consume_as(wg, i, consume, count)
+    _for_each_item(num_items, num_ctas, step)
+
+  _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
+
+
+def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
+                rows_in_registers):
+  """The closures of one dQ work item (see `_dq_kernel`), query block i of query head
+  n in batch b: (i, b, srcs, consume)."""
+  ranges = r["ranges"]
   H = r["q_smem"].shape[-1]
-  mm = _Products(interpret, r.get("acc"))
   iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
   kv_head = lax.div(n, jnp.int32(group))
   srcs = [lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
           lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]]
 
-  def consume(wg, q_smem, do_smem, fixed_loaded, row0, tiles):
+  def consume(wg, q_smem, do_smem, fixed_loaded, row0, tiles, count=None):
     """dQ of query rows [row0, row0 + 64). `tiles` = (start(lo), before(t, j, hi),
-    acquire(t), release(t)) hand over the key tiles (t counts them); start and before
-    are None when a producer streams them."""
+    acquire(t), release(t)) hand over the key tiles (t counts them, from `count` on in
+    a persistent program); start and before are None when a producer streams them.
+    Returns the count after this item's tiles."""
     start, before, acquire, release = tiles
+    counted = _counted_from(count)
     rows = pl.ds(row0, bq)
     lo, full_lo, full_hi, hi = _row(ranges, b, i)
     if start is not None:
@@ -839,7 +1017,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
       q_seg = along_keys(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
 
     def body(j, carry, masked, dq_acc):
-      t = j - lo
+      t = counted(j - lo)
       if before is not None:
         before(t, j, hi)
       keep = None
@@ -862,36 +1040,15 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
     _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
+    return _count_after(count, lambda: hi - lo)
 
-  if consumers == 1:
-    stream = _Stream(srcs, [r["k_smem"], r["v_smem"]], r["loaded"])
-
-    def before(t, j, hi):                # copy the next tile into the other slot
-      slot = lax.rem(t, 2)
-      pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
-
-    fixed = r["fixed_loaded"]
-    consume(0, r["q_smem"], r["do_smem"], (fixed.at[0], fixed.at[1]), i * bq,
-            (lambda lo: stream.start(0, lo), before, lambda t: stream.wait(lax.rem(t, 2)),
-             None))
-    return
-
-  pipe = _Pipeline(srcs, [r["k_smem"], r["v_smem"]], r["loaded"], r["consumed"], stages)
-
-  def produce():
-    lo, _, _, hi = _row(ranges, b, i)
-    lax.fori_loop(0, hi - lo, lambda t, _: pipe.produce(t, lo + t), None)
-    pipe.drain(hi - lo)
-
-  fixed = r["fixed_loaded"]
-  _warp_specialised(lax.axis_index("wg"), consumers, produce, lambda wg: consume(
-      wg, r["q_smem"].at[wg], r["do_smem"].at[wg], (fixed.at[2 * wg], fixed.at[2 * wg + 1]),
-      (i * consumers + wg) * bq, (None, None, pipe.acquire, pipe.release)))
+  return i, b, srcs, consume
 
 
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                    opts: MaskOptions | None = None, ops: MaskOperands | None = None,
-                   config: BackwardConfig | None = None, interpret: bool = False):
+                   config: BackwardConfig | None = None, interpret: bool = False,
+                   num_sms: int | None = None):
   """Gradients (dq, dk, dv) of attention from the forward's residuals: q [B, T, N, H],
   k/v [B, S, K, H] (bf16/fp16), out [B, T, N, H], lse [B, N, T] in natural log, the
   output cotangent dout and optionally the lse cotangent dlse [B, N, T]. Same contract
@@ -1036,6 +1193,26 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     dq, *outs = in_place_call(*args)
     return (*outs, dq)
 
+  # With `persistent`, each kernel's grid is one program per multiprocessor (axis "sm"),
+  # looping over the work items of the grid it stands for.
+  if config.persistent and num_sms is None:
+    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
+    if num_sms is None:
+      raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
+
+  def persistent_grid(grid):
+    """(work items, programs, the grid's sizes) for the kernel, or None."""
+    if not config.persistent:
+      return None
+    items = math.prod(grid)
+    return items, min(num_sms, items), grid
+
+  def grid_of(grid, grid_names):
+    """The launch's grid and axis names."""
+    if not config.persistent:
+      return grid, grid_names
+    return (persistent_grid(grid)[1],), ("sm",)
+
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows
   bq, bk = config.block_n, dkv_keys(H, config)
@@ -1051,7 +1228,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
   dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
-                               rows_in_registers=config.dkv_rows_in_registers), grid, grid_names,
+                               rows_in_registers=config.dkv_rows_in_registers,
+                               persistent=persistent_grid(grid)),
+             *grid_of(grid, grid_names),
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
              partials=splits > 1, shared_fixed=roles)
@@ -1067,10 +1246,11 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
   Tp, Sp, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+  grid = (Tp // bq, N, B)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
-                                 rows_in_registers=config.dq_rows_in_registers),
-               (Tp // bq, N, B),
-               ("q", "heads", "batch"), x, ranges, (("q_smem", "do_smem"), ROWS),
+                                 rows_in_registers=config.dq_rows_in_registers,
+                                 persistent=persistent_grid(grid)),
+               *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)],
                C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]
