@@ -1,7 +1,10 @@
 """Where one decoder-LM training step's time goes, per HLO op, from JAX's own profiler.
 
-The step of `seq_scaling --parts lm` (same presets and model), compiled once, timed as
-seq_scaling times it (`--warmup` calls, `--steps` rounds), then `--steps` steps under
+The step of `seq_scaling --parts lm` (same presets and model), or with `--cell` one
+attention forward + backward of a benchmark cell (`experiments.ab_kernels.CELLS`;
+`--impl` cudnn, jflash (implementation=None) or a jflash implementation's name, with
+`--config` MosaicGPUConfig fields), compiled once, timed as seq_scaling times it
+(`--warmup` calls, `--steps` rounds), then `--steps` steps under
 `jax.profiler.trace`. The trace's device events (the GPU's
 kernels; on a CPU, the host's XLA ops) of the step's module are summed per HLO op
 (the `hlo_op` stat XLA attaches, else the event's name) and kernel, divided by the
@@ -11,6 +14,7 @@ others of its line (a host while loop over its body's ops) is left out for them.
 `--hlo` the optimized HLO is written beside (gzipped) to read what an op is.
 
   python -m experiments.profile_step --preset h200 --impl jflash --seq 4096 --hlo
+  python -m experiments.profile_step --cell "fa2 16K d128" --impl cudnn
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ import gzip
 import tempfile
 from pathlib import Path
 
+import json
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments import common, seq_scaling
@@ -71,6 +78,53 @@ def per_op(events, steps: int, top: int):
   return rows, round(sum(ns.values()) / steps / 1e6, 4)
 
 
+def lm_step(args):
+  """(one_step, compiled, tokens per step, record) of the decoder LM's training step."""
+  lm = seq_scaling.parse_args(["--preset", args.preset])
+  cfg = seq_scaling.lm_config(lm, args.impl, args.seq, remat=False)
+  step, state = seq_scaling.lm_step(cfg, lm.lm_batch, np.random.default_rng(0), 0)
+  compiled = step.lower(*state).compile()
+  params, opt_state, *data = state
+
+  def one_step():
+    nonlocal params, opt_state
+    params, opt_state, loss = compiled(params, opt_state, *data)
+    return loss
+  return one_step, compiled, lm.lm_batch * args.seq, dict(model=dataclasses.asdict(cfg))
+
+
+def cell_step(args):
+  """(one_step, compiled, tokens per step, record) of one attention forward + backward
+  (a vjp with a fixed output cotangent) of the benchmark cell `args.cell`."""
+  import jflash
+  from experiments.ab_kernels import select_cases
+  named = [c for c in select_cases(None if args.tiny else args.cell, tiny=args.tiny)
+           if c.name == args.cell]
+  if not named:
+    raise ValueError(f"--cell {args.cell!r} is not a cell's whole name")
+  (case,) = named
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  q, do = (jax.random.normal(key, (case.batch, case.s, case.heads, case.d), dtype)
+           for key in keys[:2])
+  k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), dtype)
+          for key in keys[2:])
+  if args.impl == "cudnn":
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal,
+                                                          implementation="cudnn")
+  else:
+    config = jflash.MosaicGPUConfig(**json.loads(args.config)) if args.config else None
+    implementation = None if args.impl == "jflash" else args.impl
+    attend = lambda q, k, v: jflash.attention(q, k, v, is_causal=case.causal,
+                                              implementation=implementation, config=config)
+
+  def step(q, k, v, do):       # the module "jit_step", as the LM's
+    return jax.vjp(attend, q, k, v)[1](do)
+  compiled = jax.jit(step).lower(q, k, v, do).compile()
+  return (lambda: compiled(q, k, v, do)), compiled, case.batch * case.s, dict(
+      cell=dataclasses.asdict(case))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="h200", help="seq_scaling's preset (the model)")
@@ -82,40 +136,39 @@ def main(argv=None):
   p.add_argument("--hlo", action="store_true", help="also write the optimized HLO")
   p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT)
   p.add_argument("--name", default=None)
-  p.add_argument("--tiny", action="store_true", help="test-suite size: preset tiny, T = 64")
+  p.add_argument("--cell", default=None,
+                 help="profile one attention fwd+bwd of this benchmark cell, not the LM")
+  p.add_argument("--config", default=None,
+                 help="with --cell: jflash MosaicGPUConfig fields as JSON")
+  p.add_argument("--tiny", action="store_true",
+                 help="test-suite size: preset tiny, T = 64 (with --cell: the cell \"tiny causal\")")
   args = p.parse_args(argv)
   if args.tiny:
     args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
-  name = args.name or f"profile_step_{args.impl}_{args.seq}_{common.device_tag()}"
-  lm = seq_scaling.parse_args(["--preset", args.preset])
-  cfg = seq_scaling.lm_config(lm, args.impl, args.seq, remat=False)
-  step, state = seq_scaling.lm_step(cfg, lm.lm_batch, np.random.default_rng(0), 0)
-  compiled = step.lower(*state).compile()
-  params, opt_state, *data = state
-
-  def one_step():
-    nonlocal params, opt_state
-    params, opt_state, loss = compiled(params, opt_state, *data)
-    return loss
+  if args.config and not args.cell:
+    raise ValueError("--config is for --cell (the LM takes seq_scaling's preset)")
+  what = args.cell.replace(" ", "_").replace("/", "-") if args.cell else args.seq
+  name = args.name or f"profile_step_{args.impl}_{what}_{common.device_tag()}"
+  one_step, compiled, tokens, record = (cell_step if args.cell else lm_step)(args)
   # The step timed as seq_scaling times it (median of rounds), then traced.
   wall_ms = common.time_calls(one_step, rounds=args.steps, warmup=args.warmup)["median_s"] * 1e3
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       for _ in range(args.steps):
-        loss = one_step()
-      jax.block_until_ready(loss)
+        out = one_step()
+      jax.block_until_ready(out)
     (trace,) = Path(d).glob("**/*.xplane.pb")
     rows, total_ms = per_op(device_events(trace.read_bytes(), "step"), args.steps, args.top)
   extra = dict(total_ms_per_step=total_ms, wall_ms_per_step=round(wall_ms, 3),
-               tokens_per_s=round(lm.lm_batch * args.seq / wall_ms * 1e3, 1))
+               tokens_per_s=round(tokens / wall_ms * 1e3, 1))
   if args.hlo:
     hlo = Path(args.out_dir) / f"{name}.hlo.txt.gz"
     hlo.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(hlo, "wt") as f:
       f.write(compiled.as_text())
     extra["hlo"] = hlo.name
-  path = common.write_result(name, vars(args) | dict(model=dataclasses.asdict(cfg)),
-                             rows, extra=extra, out_dir=args.out_dir)
+  path = common.write_result(name, vars(args) | record, rows, extra=extra,
+                             out_dir=args.out_dir)
   common.log(f"{total_ms} ms of ops per step ({wall_ms:.2f} ms wall); wrote {path}")
   for r in rows[:15]:
     common.log(f"  {r['ms']:9.3f} ms  x{r['calls']:g}  {r['op']}  {r['kernel'][:60]}")

@@ -141,6 +141,20 @@ def test_profile_step_sums_the_steps_ops_from_the_profiler(tmp_path):
     assert "HloModule jit_step" in f.read()
 
 
+def test_profile_step_of_one_attention_cell(tmp_path):
+  # --cell: one attention forward + backward (here the plain "xla" path) instead of the LM.
+  run_script("profile_step", tmp_path, "--cell", "tiny causal", "--impl", "xla", "--hlo",
+             "--name", "pc")
+  res = load(tmp_path, "pc")
+  assert res["rows"] and res["config"]["cell"]["name"] == "tiny causal"
+  assert abs(sum(r["ms"] for r in res["rows"]) - res["total_ms_per_step"]) < 1e-3 * len(res["rows"])
+  with gzip.open(tmp_path / res["hlo"], "rt") as f:
+    assert "HloModule jit_step" in f.read()
+  with pytest.raises(ValueError, match="--config is for --cell"):
+    from experiments import profile_step
+    profile_step.main(["--tiny", "--config", "{}"])
+
+
 def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
   # This tree against a copy of its kernels: every Mosaic GPU module the same; with the
   # copy's exp2 constant changed, the forward differs (the lowering needs no GPU). A
