@@ -343,6 +343,8 @@ def test_lowers_persistent(H):
   assert lowered.count("@mosaic_gpu") == 2
   with pytest.raises(ValueError, match="num_sms is needed"):
     _lowered(H, opts, config=config)
+  with pytest.raises(ValueError, match="num_sms=0"):
+    _lowered(H, opts, config=config, num_sms=0)
 
 
 @pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
@@ -448,20 +450,23 @@ def test_interpreted_kernel_options(consumers):
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("H,group_splits", [(64, 2), (128, 1)])
-def test_interpreted_persistent_grids(H, group_splits):
+@pytest.mark.parametrize("H,group_splits,causal", [(64, 2, True), (128, 1, True),
+                                                   (64, 1, False)])
+def test_interpreted_persistent_grids(H, group_splits, causal):
   """`persistent`: both kernels as two programs looping over the work items of their
-  grids (dK/dV: 2 key tiles x 2 key heads x the group splits; dQ: 4 heads), the
-  streamed-tile count going on from item to item (every slot's barriers in phase),
-  GQA causal with tails."""
+  grids (dK/dV: 2 key tiles x 2 key heads x the group splits; dQ: 4 heads), in the
+  causal order or the plain one, the streamed-tile count going on from item to item
+  through three slots (items of 2, 3 or 4 tiles, and of none where a causal key tile
+  sees no query: counts that cross the slots' cycle, every slot's barriers in phase),
+  GQA with tails."""
   q, k, v, do = random_qkv((1, 70, 150, 4, 2, H), jnp.bfloat16, seed=7)
-  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+  out, lse = jflash.attention(q, k, v, is_causal=causal, implementation="xla",
                               return_residuals=True)
   config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=group_splits,
-                             dq_rows_in_registers=True)
+                             dq_rows_in_registers=True, stages=3)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
-                          opts=MaskOptions(is_causal=True), interpret=True)
-  _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
+                          opts=MaskOptions(is_causal=causal), interpret=True)
+  _check_grads(got, q, k, v, do, is_causal=causal, scale=H ** -0.5)
 
 
 def test_interpreted_causal_dq_over_several_query_blocks():

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,11 +134,13 @@ class BackwardConfig:
     consumer already spills (correct on the H200, not timed).
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
-    head and batch) that would each have been a program, the first axis fastest (the
-    programs running at once share their head's streamed tiles through L2), so that
-    one item's last products and stores overlap the producer's loads for the next
-    and no partial last wave is launched (the forward's `persistent`). Two consumers,
-    not with fused_dq, not at the head dims split by role. Not yet timed on the H200.
+    head and batch) that would each have been a program (`_item_coords` says in which
+    order), so that the producer's loads of the next item's streamed tiles overlap
+    this item's last products and its stores, and no partial last wave is launched
+    (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
+    outputs stored, before and after its loop. Under jax.vmap the launch's batching
+    rule adds a grid axis: one persistent grid per mapped problem. Two consumers, not
+    with fused_dq, not at the head dims split by role. Not yet timed on the H200.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -586,7 +589,8 @@ def _produce_query_tiles(pipe, ranges, b, j, own, base=None):
 
 def _counted_from(count):
   """t -> the program's count of streamed tiles at an item's t-th: t itself in a
-  program of one item (no index arithmetic added), count + t in a persistent one."""
+  program of one item (no index arithmetic added, so that grid launches lower as they
+  did before the persistent grid existed), count + t in a persistent one."""
   return (lambda t: t) if count is None else (lambda t: count + t)
 
 
@@ -606,13 +610,22 @@ def _for_each_item(num_items, num_ctas, item):
                        jnp.int32(0))
 
 
-def _split_index(w, sizes):
-  """The coordinates of flat index w over axes of `sizes`, the first axis fastest."""
-  coords = []
-  for size in sizes[:-1]:
-    coords.append(lax.rem(w, jnp.int32(size)))
-    w = lax.div(w, jnp.int32(size))
-  return (*coords, w)
+def _item_coords(w, sizes, causal: bool):
+  """The grid coordinates of work item w of a persistent program over a grid of
+  `sizes` (tiles, then heads, ..., batch). Without a causal mask the tiles are the
+  fastest axis: programs running at once read the same head's streamed tiles (shared
+  through L2). With one, items differ in cost (a key tile's work falls with its index,
+  a query block's rises), so the tiles are the slowest axis and taken in the order
+  given (heaviest first: key tiles ascending, query blocks through
+  `query_block_order`), which gives each round of num_ctas items about the same cost
+  in every program, as the forward's persistent grid does."""
+  order = list(range(1, len(sizes))) + [0] if causal else list(range(len(sizes)))
+  coords = [None] * len(sizes)
+  for axis in order[:-1]:
+    coords[axis] = lax.rem(w, jnp.int32(sizes[axis]))
+    w = lax.div(w, jnp.int32(sizes[axis]))
+  coords[order[-1]] = w
+  return tuple(coords)
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
@@ -681,25 +694,28 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
                       lambda wg: consume_as(wg, j, consume))
     return
 
+  # Config validation keeps the persistent grid to two consumers, not split by role.
+  assert consumers == 2 and not by_role(H), (consumers, H)
   num_items, num_ctas, sizes = persistent
 
   def item_of(w):
+    coords = _item_coords(w, sizes, opts.is_causal)
     if group_splits == 1:       # the grid (key tiles, key heads, batch)
-      j, kv_head, b = _split_index(w, sizes)
+      j, kv_head, b = coords
       return item_at(j, kv_head, None, b)
-    j, kv_head, split, b = _split_index(w, sizes)
+    j, kv_head, split, b = coords
     return item_at(j, kv_head, lambda: split, b)
 
   def produce_all():
     def produce(w, count):
-      j, _, b, _, srcs, _, _ = item_of(w)
-      return _produce_query_tiles(pipe(srcs), ranges, b, j, own, base=count)
+      item = item_of(w)
+      return _produce_query_tiles(pipe(item.srcs), ranges, item.b, item.j, own, base=count)
     pipe(None).drain(_for_each_item(num_items, num_ctas, produce))
 
   def consume_all(wg):
     def consume(w, count):
-      j, _, _, _, _, _, consume_item = item_of(w)
-      return consume_as(wg, j, consume_item, count)
+      item = item_of(w)
+      return consume_as(wg, item.j, item.consume, count)
     _for_each_item(num_items, num_ctas, consume)
 
   _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
@@ -814,7 +830,18 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       _store_tile(dv, partial, r["dv"].at[b, this_split, keys, kv_head])
     return _count_after(count, lambda: own * (hi - lo))
 
-  return j, kv_head, b, head, srcs, key_segments, consume
+  return _DkvItem(j, kv_head, b, head, srcs, key_segments, consume)
+
+
+class _DkvItem(NamedTuple):
+  """One dK/dV work item's coordinates and closures (`_dkv_program`)."""
+  j: jax.Array
+  kv_head: jax.Array
+  b: jax.Array
+  head: Callable
+  srcs: list
+  key_segments: Callable
+  consume: Callable
 
 
 # The two consumers of the dK/dV kernel at head dims split by role (`by_role`).
@@ -913,9 +940,9 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   One consumer streams its own key tiles (double buffering); two share the key tiles
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
-  (`BackwardConfig.dq_rows_in_registers`); `persistent` = (work items, programs,
-  grid): each program of two consumers loops over work items (query block, head,
-  batch) of the grid it stands for (`BackwardConfig.persistent`)."""
+  (`BackwardConfig.dq_rows_in_registers`); `persistent` = (work items, programs, the
+  grid's sizes): each program of two consumers loops over work items (query block,
+  head, batch) of the grid it stands for (`BackwardConfig.persistent`)."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -962,22 +989,23 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
                       lambda wg: consume_as(wg, i, consume))
     return
 
+  assert consumers == 2, consumers   # config validation: two consumers only
   num_items, num_ctas, sizes = persistent
 
   def item_of(w):
-    q, n, b = _split_index(w, sizes)
+    q, n, b = _item_coords(w, sizes, opts.is_causal)
     return item_at(block_of(q), n, b)
 
   def produce_all():
     def step(w, count):
-      i, b, srcs, _ = item_of(w)
-      return produce(srcs, b, i, count)
+      item = item_of(w)
+      return produce(item.srcs, item.b, item.i, count)
     pipe(None).drain(_for_each_item(num_items, num_ctas, step))
 
   def consume_all(wg):
     def step(w, count):
-      i, _, _, consume = item_of(w)
-      return consume_as(wg, i, consume, count)
+      item = item_of(w)
+      return consume_as(wg, item.i, item.consume, count)
     _for_each_item(num_items, num_ctas, step)
 
   _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
@@ -1042,7 +1070,15 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
     return _count_after(count, lambda: hi - lo)
 
-  return i, b, srcs, consume
+  return _DqItem(i, b, srcs, consume)
+
+
+class _DqItem(NamedTuple):
+  """One dQ work item's coordinates and closures (`_dq_program`)."""
+  i: jax.Array
+  b: jax.Array
+  srcs: list
+  consume: Callable
 
 
 def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
@@ -1053,7 +1089,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   k/v [B, S, K, H] (bf16/fp16), out [B, T, N, H], lse [B, N, T] in natural log, the
   output cotangent dout and optionally the lse cotangent dlse [B, N, T]. Same contract
   as pallas_kernels.backward.flash_backward for the structured masks (no dense mask,
-  bias or dropout). T and S are padded to whole tiles here and the padding dropped."""
+  bias or dropout). T and S are padded to whole tiles here and the padding dropped.
+  `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`; default:
+  the device's multiprocessors, 2 when interpreted)."""
   plgpu = _plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -1199,6 +1237,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
     if num_sms is None:
       raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
+  if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                              or num_sms < 1):
+    raise ValueError(f"num_sms={num_sms!r} must be a positive int")
 
   def persistent_grid(grid):
     """(work items, programs, the grid's sizes) for the kernel, or None."""
