@@ -610,6 +610,22 @@ def _for_each_item(num_items, num_ctas, item):
                        jnp.int32(0))
 
 
+def _run_persistent(persistent, pipe, item_of, produce, consume):
+  """A persistent program of two consumers and a producer: the producer runs
+  produce(item, count) -> count over this program's work items (`_for_each_item`;
+  item_of(w) gives item w) and then waits for the last slots' release; each consumer
+  runs consume(wg, item, count) -> count over the same items."""
+  num_items, num_ctas, _ = persistent
+
+  def produce_all():
+    pipe.drain(_for_each_item(num_items, num_ctas,
+                              lambda w, count: produce(item_of(w), count)))
+
+  def consume_all(wg):
+    _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count))
+  _warp_specialised(lax.axis_index("wg"), 2, produce_all, consume_all)
+
+
 def _item_coords(w, sizes, causal: bool):
   """The grid coordinates of work item w of a persistent program over a grid of
   `sizes` (tiles, then heads, ..., batch). Without a causal mask the tiles are the
@@ -696,7 +712,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
   # Config validation keeps the persistent grid to two consumers, not split by role.
   assert consumers == 2 and not by_role(H), (consumers, H)
-  num_items, num_ctas, sizes = persistent
+  sizes = persistent[2]
 
   def item_of(w):
     coords = _item_coords(w, sizes, opts.is_causal)
@@ -706,19 +722,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     j, kv_head, split, b = coords
     return item_at(j, kv_head, lambda: split, b)
 
-  def produce_all():
-    def produce(w, count):
-      item = item_of(w)
-      return _produce_query_tiles(pipe(item.srcs), ranges, item.b, item.j, own, base=count)
-    pipe(None).drain(_for_each_item(num_items, num_ctas, produce))
-
-  def consume_all(wg):
-    def consume(w, count):
-      item = item_of(w)
-      return consume_as(wg, item.j, item.consume, count)
-    _for_each_item(num_items, num_ctas, consume)
-
-  _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
+  _run_persistent(persistent, pipe(None), item_of, lambda item, count: _produce_query_tiles(
+      pipe(item.srcs), ranges, item.b, item.j, own, base=count),
+                  lambda wg, item, count: consume_as(wg, item.j, item.consume, count))
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
@@ -990,25 +996,15 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     return
 
   assert consumers == 2, consumers   # config validation: two consumers only
-  num_items, num_ctas, sizes = persistent
+  sizes = persistent[2]
 
   def item_of(w):
     q, n, b = _item_coords(w, sizes, opts.is_causal)
     return item_at(block_of(q), n, b)
 
-  def produce_all():
-    def step(w, count):
-      item = item_of(w)
-      return produce(item.srcs, item.b, item.i, count)
-    pipe(None).drain(_for_each_item(num_items, num_ctas, step))
-
-  def consume_all(wg):
-    def step(w, count):
-      item = item_of(w)
-      return consume_as(wg, item.i, item.consume, count)
-    _for_each_item(num_items, num_ctas, step)
-
-  _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
+  _run_persistent(persistent, pipe(None), item_of,
+                  lambda item, count: produce(item.srcs, item.b, item.i, count),
+                  lambda wg, item, count: consume_as(wg, item.i, item.consume, count))
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
