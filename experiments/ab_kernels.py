@@ -95,6 +95,16 @@ def select_cases(cells: str | None, tiny: bool = False) -> tuple:
   return cases
 
 
+def cell_inputs(case):
+  """(q, k, v, do) of a cell, bf16 normal draws from a fixed key."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, do = (jax.random.normal(key, (case.batch, case.s, case.heads, case.d), jnp.bfloat16)
+           for key in keys[:2])
+  k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), jnp.bfloat16)
+          for key in keys[2:])
+  return q, k, v, do
+
+
 def programs(loaded, case, mode, inputs, implementation="pallas"):
   """One tree's compiled program for `mode`, traced under that tree's packages."""
   attention, modules = loaded
@@ -129,12 +139,7 @@ def main(argv=None):
     raise ValueError(f"--modes: unknown {sorted(unknown)}; known: {specs.MODES}")
   rows = []
   for case in cases:
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, do = (jax.random.normal(key, (case.batch, case.s, case.heads, case.d), jnp.bfloat16)
-             for key in keys[:2])
-    k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), jnp.bfloat16)
-            for key in keys[2:])
-    inputs = (q, k, v, do)
+    inputs = cell_inputs(case)
     for mode in modes:
       fns = {label: programs(loaded[label], case, mode, inputs, implementation)
              for label in trees}

@@ -28,7 +28,6 @@ from pathlib import Path
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import common, seq_scaling
@@ -78,7 +77,7 @@ def per_op(events, steps: int, top: int):
   return rows, round(sum(ns.values()) / steps / 1e6, 4)
 
 
-def lm_step(args):
+def lm_training_step(args):
   """(one_step, compiled, tokens per step, record) of the decoder LM's training step."""
   lm = seq_scaling.parse_args(["--preset", args.preset])
   cfg = seq_scaling.lm_config(lm, args.impl, args.seq, remat=False)
@@ -93,22 +92,17 @@ def lm_step(args):
   return one_step, compiled, lm.lm_batch * args.seq, dict(model=dataclasses.asdict(cfg))
 
 
-def cell_step(args):
+def cell_fwd_bwd_step(args):
   """(one_step, compiled, tokens per step, record) of one attention forward + backward
   (a vjp with a fixed output cotangent) of the benchmark cell `args.cell`."""
   import jflash
-  from experiments.ab_kernels import select_cases
+  from experiments.ab_kernels import cell_inputs, select_cases
   named = [c for c in select_cases(None if args.tiny else args.cell, tiny=args.tiny)
            if c.name == args.cell]
   if not named:
     raise ValueError(f"--cell {args.cell!r} is not a cell's whole name")
   (case,) = named
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-  q, do = (jax.random.normal(key, (case.batch, case.s, case.heads, case.d), dtype)
-           for key in keys[:2])
-  k, v = (jax.random.normal(key, (case.batch, case.s, case.k_heads, case.d), dtype)
-          for key in keys[2:])
+  q, k, v, do = cell_inputs(case)
   if args.impl == "cudnn":
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal,
                                                           implementation="cudnn")
@@ -149,7 +143,7 @@ def main(argv=None):
     raise ValueError("--config is for --cell (the LM takes seq_scaling's preset)")
   what = args.cell.replace(" ", "_").replace("/", "-") if args.cell else args.seq
   name = args.name or f"profile_step_{args.impl}_{what}_{common.device_tag()}"
-  one_step, compiled, tokens, record = (cell_step if args.cell else lm_step)(args)
+  one_step, compiled, tokens, record = (cell_fwd_bwd_step if args.cell else lm_training_step)(args)
   # The step timed as seq_scaling times it (median of rounds), then traced.
   wall_ms = common.time_calls(one_step, rounds=args.steps, warmup=args.warmup)["median_s"] * 1e3
   with tempfile.TemporaryDirectory() as d:
