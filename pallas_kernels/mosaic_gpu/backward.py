@@ -698,11 +698,12 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   fixed = r["fixed_loaded"]
   pipe = lambda srcs: _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"],
                                 r["consumed"], stages)
+  slots = pipe(None)       # the consumers' side (and the final drain): no sources
 
   def consume_as(wg, j, consume, count=None):
     return consume(wg, r["k_smem"].at[wg], r["v_smem"].at[wg],
                    (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (j * consumers + wg) * bk,
-                   (None, None, pipe(None).acquire, pipe(None).release), count)
+                   (None, None, slots.acquire, slots.release), count)
 
   if persistent is None:
     _warp_specialised(lax.axis_index("wg"), consumers,
@@ -722,9 +723,12 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     j, kv_head, split, b = coords
     return item_at(j, kv_head, lambda: split, b)
 
-  _run_persistent(persistent, pipe(None), item_of, lambda item, count: _produce_query_tiles(
-      pipe(item.srcs), ranges, item.b, item.j, own, base=count),
-                  lambda wg, item, count: consume_as(wg, item.j, item.consume, count))
+  def produce(item, count):
+    return _produce_query_tiles(pipe(item.srcs), ranges, item.b, item.j, own, base=count)
+
+  def consume(wg, item, count):
+    return consume_as(wg, item.j, item.consume, count)
+  _run_persistent(persistent, slots, item_of, produce, consume)
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
@@ -985,10 +989,12 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
       pipe(srcs).drain(hi - lo)
     return _count_after(count, lambda: hi - lo)
 
+  slots = pipe(None)       # the consumers' side (and the final drain): no sources
+
   def consume_as(wg, i, consume, count=None):
     return consume(wg, r["q_smem"].at[wg], r["do_smem"].at[wg],
                    (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (i * consumers + wg) * bq,
-                   (None, None, pipe(None).acquire, pipe(None).release), count)
+                   (None, None, slots.acquire, slots.release), count)
 
   if persistent is None:
     _warp_specialised(lax.axis_index("wg"), consumers, lambda: produce(srcs, b, i),
@@ -1002,7 +1008,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     q, n, b = _item_coords(w, sizes, opts.is_causal)
     return item_at(block_of(q), n, b)
 
-  _run_persistent(persistent, pipe(None), item_of,
+  _run_persistent(persistent, slots, item_of,
                   lambda item, count: produce(item.srcs, item.b, item.i, count),
                   lambda wg, item, count: consume_as(wg, item.i, item.consume, count))
 
