@@ -174,8 +174,8 @@ class MosaicGPUConfig(BackendConfig):
       dQ kernel's at head_dim 256, double-buffers its own); None: 2.
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
-      consumers, not with backward_fused_dq, not at head_dim 256; not yet timed on the
-      H200); None: not.
+      consumers, not with backward_fused_dq, not at head_dim 256; not yet run, checked
+      or timed, on the H200); None: not.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"

@@ -140,7 +140,7 @@ class BackwardConfig:
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers, not
-    with fused_dq, not at the head dims split by role. Not yet timed on the H200.
+    with fused_dq, not at the head dims split by role. Not yet run on the H200.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
