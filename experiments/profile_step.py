@@ -50,26 +50,44 @@ def leaves(events):
 
 
 def device_events(xspace: bytes, module: str):
-  """(op, event name, duration ns) of the trace's innermost events that name an HLO
-  module containing `module`: the device planes' when they have any, else the host's."""
+  """(op, event name, start ns, duration ns) of the trace's events that name an HLO
+  module containing `module`: the device planes' when they have any (every kernel:
+  two on one line may overlap, XLA's command buffers running independent kernels
+  at once), else the host's innermost (`leaves`)."""
   from jax.profiler import ProfileData
   planes = list(ProfileData.from_serialized_xspace(xspace).planes)
 
-  def events(chosen):
+  def events(chosen, innermost):
     for plane in chosen:
       for line in plane.lines:
         ours = [e for e in line.events if module in str(dict(e.stats).get("hlo_module", ""))]
-        for e in leaves(ours):
-          yield str(dict(e.stats).get("hlo_op") or e.name), e.name, e.duration_ns
-  found = list(events([p for p in planes if p.name.startswith(DEVICE_PLANE)]))
-  return found or list(events(planes))
+        for e in (leaves(ours) if innermost else ours):
+          yield (str(dict(e.stats).get("hlo_op") or e.name), e.name, e.start_ns,
+                 e.duration_ns)
+  found = list(events([p for p in planes if p.name.startswith(DEVICE_PLANE)], False))
+  return found or list(events(planes, True))
+
+
+def timeline(events, steps: int):
+  """The events in order of start, each (op, kernel, start and end in ms from the first
+  event), and the device span per step (first start to last end, over `steps`): with
+  the sum of the events' durations it shows the gaps between kernels."""
+  events = sorted(events, key=lambda e: e[2])
+  if not events:
+    return [], 0.0
+  t0 = events[0][2]
+  end = max(start + duration for _, _, start, duration in events)
+  rows = [dict(op=op, kernel=name[:80], start_ms=round((start - t0) / 1e6, 4),
+               end_ms=round((start + duration - t0) / 1e6, 4))
+          for op, name, start, duration in events]
+  return rows, round((end - t0) / steps / 1e6, 4)
 
 
 def per_op(events, steps: int, top: int):
   """Rows (op, kernel, ms per step, events per step) per op and kernel name (XLA's
   command buffers are one op of many kernels), longest first, and the total ms per step."""
   ns, calls = collections.Counter(), collections.Counter()
-  for op, name, duration in events:
+  for op, name, _, duration in events:
     ns[op, name] += duration
     calls[op, name] += 1
   rows = [dict(op=op, kernel=name[:160], ms=round(t / steps / 1e6, 4),
@@ -152,9 +170,12 @@ def main(argv=None):
         out = one_step()
       jax.block_until_ready(out)
     (trace,) = Path(d).glob("**/*.xplane.pb")
-    rows, total_ms = per_op(device_events(trace.read_bytes(), "step"), args.steps, args.top)
-  extra = dict(total_ms_per_step=total_ms, wall_ms_per_step=round(wall_ms, 3),
-               tokens_per_s=round(tokens / wall_ms * 1e3, 1))
+    events = device_events(trace.read_bytes(), "step")
+  rows, total_ms = per_op(events, args.steps, args.top)
+  order, span_ms = timeline(events, args.steps)
+  extra = dict(total_ms_per_step=total_ms, span_ms_per_step=span_ms,
+               wall_ms_per_step=round(wall_ms, 3), tokens_per_s=round(tokens / wall_ms * 1e3, 1),
+               timeline=order if args.cell else None)
   if args.hlo:
     hlo = Path(args.out_dir) / f"{name}.hlo.txt.gz"
     hlo.parent.mkdir(parents=True, exist_ok=True)
@@ -163,9 +184,12 @@ def main(argv=None):
     extra["hlo"] = hlo.name
   path = common.write_result(name, vars(args) | record, rows, extra=extra,
                              out_dir=args.out_dir)
-  common.log(f"{total_ms} ms of ops per step ({wall_ms:.2f} ms wall); wrote {path}")
+  common.log(f"{total_ms} ms of ops per step, {span_ms} ms from the first to the last "
+             f"({wall_ms:.2f} ms wall); wrote {path}")
   for r in rows[:15]:
     common.log(f"  {r['ms']:9.3f} ms  x{r['calls']:g}  {r['op']}  {r['kernel'][:60]}")
+  for r in (order if args.cell else [])[:40]:
+    common.log(f"  {r['start_ms']:9.3f} - {r['end_ms']:9.3f} ms  {r['op']}  {r['kernel'][:50]}")
 
 
 if __name__ == "__main__":

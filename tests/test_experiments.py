@@ -148,6 +148,12 @@ def test_profile_step_of_one_attention_cell(tmp_path):
   res = load(tmp_path, "pc")
   assert res["rows"] and res["config"]["cell"]["name"] == "tiny causal"
   assert abs(sum(r["ms"] for r in res["rows"]) - res["total_ms_per_step"]) < 1e-3 * len(res["rows"])
+  # The timeline: every event, in order of start; the span covers them all.
+  order = res["timeline"]
+  assert len(order) == round(sum(r["calls"] for r in res["rows"]) * res["config"]["steps"])
+  assert [r["start_ms"] for r in order] == sorted(r["start_ms"] for r in order)
+  assert all(0 <= r["start_ms"] <= r["end_ms"] for r in order)
+  assert max(r["end_ms"] for r in order) <= res["span_ms_per_step"] * res["config"]["steps"] + 1e-3
   with gzip.open(tmp_path / res["hlo"], "rt") as f:
     assert "HloModule jit_step" in f.read()
   with pytest.raises(ValueError, match="--config is for --cell"):
