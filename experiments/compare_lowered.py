@@ -40,7 +40,8 @@ def lowered_kernels(modules: dict, B, T, N, K, H, causal, num_sms=132) -> dict[s
     forward = functools.partial(fwd.flash_forward, scale=H ** -0.5, opts=opts,
                                 num_sms=num_sms)
     backward = functools.partial(bwd.flash_backward, scale=H ** -0.5, opts=opts,
-                                 config=config)
+                                 config=config,
+                                 **(dict(num_sms=num_sms) if config.persistent else {}))
     lower = lambda f, *args: jax.jit(f).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     return {"forward": mosaic_modules(lower(forward, q, kv, kv)),

@@ -132,7 +132,8 @@ class MosaicGPUConfig(BackendConfig):
       8; the producer warpgroup keeps the rest of the launch's pool).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
       heads (GQA, MQA) and for one key head per query head from
-      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles, and at head_dim 256 from
+      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles (`MHA_PERSISTENT_MIN_SEQ`
+      without a causal mask), and at head_dim 256 from
       `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows of whole tiles, unless a causal dK/dV
       grid stays small, where it measured faster on the H200, else the Triton one (the
       rule: `jflash.mosaic_impl.backward_kind`);
@@ -174,8 +175,9 @@ class MosaicGPUConfig(BackendConfig):
       dQ kernel's at head_dim 256, double-buffers its own); None: 2.
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
-      consumers, not with backward_fused_dq, not at head_dim 256; not yet run, checked
-      or timed, on the H200); None: not.
+      consumers, not with backward_fused_dq, not at head_dim 256); None: the kernel's
+      default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
+      query head without a causal mask).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"

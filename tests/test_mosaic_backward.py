@@ -50,16 +50,28 @@ def test_backward_choice_and_validation():
   mha = jax.ShapeDtypeStruct((1, n, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(mha, mha, *jflash.prepare(q128, q128, q128)) == "mosaic_gpu"
   assert mosaic_impl.backward_config(mha, mha, *jflash.prepare(q128, q128, q128)) == \
-      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True)
+      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True, persistent=True)
+  # Without a causal mask the default runs the persistent grids, from
+  # MHA_PERSISTENT_MIN_SEQ rows; a causal call from MHA_MIN_SEQ, on the launched grids.
+  causal = jflash.prepare(q128, q128, q128, is_causal=True)
+  n_p = mosaic_impl.MHA_PERSISTENT_MIN_SEQ
+  for rows, masks, chosen in ((n_p, jflash.prepare(q128, q128, q128), "mosaic_gpu"),
+                              (n_p - 128, jflash.prepare(q128, q128, q128), "pallas"),
+                              (n // 2, causal, "pallas")):
+    short = jax.ShapeDtypeStruct((512, rows, 1, 128), jnp.bfloat16)  # a full causal grid
+    assert mosaic_impl.backward_kind(short, short, *masks) == chosen, (rows, masks)
+  assert not mosaic_impl.backward_config(mha, mha, *causal).persistent
+  pinned = jflash.prepare(q128, q128, q128,
+                          config=jflash.MosaicGPUConfig(backward_persistent=False))
+  assert not mosaic_impl.backward_config(mha, mha, *pinned).persistent   # the caller's
   short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
-  assert mosaic_impl.backward_kind(short, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
+  assert mosaic_impl.backward_kind(short, mha, *pinned) == "pallas"   # untimed: not auto
   ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # padded in HBM
   assert mosaic_impl.backward_kind(ragged, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
   for untimed in (dict(backward_consumers=1), dict(backward_fused_dq=True),
                   dict(backward_block_n=128)):   # "auto" takes only the timed MHA config
     own = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(**untimed))
     assert mosaic_impl.backward_kind(mha, mha, *own) == "pallas", untimed
-  causal = jflash.prepare(q128, q128, q128, is_causal=True)
   assert mosaic_impl.backward_kind(mha, mha, *causal) == "pallas"    # 16 programs
   for batch, chosen in ((32, "mosaic_gpu"), (31, "pallas")):        # 32 x 16 = 512
     wide = jax.ShapeDtypeStruct((batch, n, 1, 128), jnp.bfloat16)
@@ -647,3 +659,26 @@ def test_second_order_gradients_are_refused():
   loss = lambda q: api._flash(q, k, v, masks, impl, cfg)[0].astype(jnp.float32).sum()
   with pytest.raises(NotImplementedError, match="mosaic_gpu .* has no derivative of its own"):
     jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
+
+
+@pytest.mark.parametrize("num_items,num_ctas", [(2048, 132), (1024, 132), (7, 3), (5, 5),
+                                                (6, 4)])
+def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num_ctas):
+  """`_item_schedule`: each work item goes to exactly one program, in either order; with
+  items in falling cost (a causal grid: heads fastest, tiles slowest, the key tile's
+  query tiles falling by 2 per tile), the snake order keeps every program's sum within
+  one item of the mean where the plain order lets program 0 drift ahead."""
+  heads = 16
+  cost = np.array([256 - 2 * (w // heads) for w in range(num_items)])
+  totals = {}
+  for snake in (False, True):
+    owned = []
+    for cta in range(num_ctas):
+      steps, item = mb._item_schedule(jnp.int32(cta), num_items, num_ctas, snake)
+      owned.append([int(item(jnp.int32(k))) for k in range(int(steps))])
+    assert sorted(sum(owned, [])) == list(range(num_items))
+    totals[snake] = np.array([cost[o].sum() for o in owned])
+  plain, snake = totals[False], totals[True]
+  assert snake.max() - snake.min() <= cost.max()
+  if num_items >= 8 * num_ctas:     # many rounds: the plain order's drift shows
+    assert plain.max() - plain.min() > 4 * (snake.max() - snake.min())

@@ -140,7 +140,8 @@ class BackwardConfig:
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers, not
-    with fused_dq, not at the head dims split by role. Not yet run on the H200.
+    with fused_dq, not at the head dims split by role. The default where it measured
+    faster (`persistent_wins`).
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -226,12 +227,29 @@ def two_consumer_config(**fields) -> BackwardConfig:
   return BackwardConfig(**{"consumers": 2, **fields})
 
 
+def persistent_wins(*, causal: bool, group: int) -> bool:
+  """Where the persistent grids (`BackwardConfig.persistent`) are the default: one key
+  head per query head, no causal mask. fwd+bwd TF/s against the launched grids, two
+  calls of one process each on the H200 (mosaic_bwd_persistent_h200.json and its
+  _run1): 1K d128 (batch 16) 419.7 / 422.0 against 376.7 / 375.7, where each
+  program's fixed loads and stores weigh on 16 query tiles; 16K d128 548.2 / 539.7
+  against 534.9 / 531.5; the decoder LM's shape 487.7 / 494.9 against 488.3 / 484.3.
+  Slower with grouped heads (GQA 32/8 8K 516.9 against 534.7, MQA 16/1 16K 549.2 /
+  548.3 against 554.3 / 553.0: a dK/dV item runs the group's heads, and long items
+  leave the last round uneven) and with a causal mask even in the balanced order
+  (`_item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
+  launched grid the hardware schedules heaviest first as programs finish)."""
+  return not causal and group == 1
+
+
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; unless the caller set
   dq_rows_in_registers, the dQ kernel's rows in registers where it runs with two (not
   at the head dims split by role, whose one dQ warpgroup has no registers for them
-  beside dQ, nor with fused_dq, where no dQ kernel runs); for a causal call whose dK/dV
+  beside dQ, nor with fused_dq, where no dQ kernel runs); unless the caller set
+  persistent, the persistent grids for a call with one key head per query head and no
+  causal mask (`persistent_wins`); for a causal call whose dK/dV
   grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
   the fewest splits of its GQA group (N / K query heads) that reach it, or the most
   that fit shared memory. (Under jax.vmap, B is one problem's batch: the
@@ -246,6 +264,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   if (config.consumers == 2 and not by_role(H) and not config.fused_dq
       and "dq_rows_in_registers" not in fields):
     config = dataclasses.replace(config, dq_rows_in_registers=True)
+  if (persistent_wins(causal=causal, group=group) and config.consumers == 2
+      and not by_role(H) and not config.fused_dq and "persistent" not in fields):
+    config = dataclasses.replace(config, persistent=True)
   if causal and "group_splits" not in fields and not by_role(H):
     for splits in (d for d in range(2, group + 1) if group % d == 0):
       if dkv_programs(B, K, S, H, config) >= CAUSAL_MIN_PROGRAMS:
@@ -600,17 +621,34 @@ def _count_after(count, tiles):
   return None if count is None else count + tiles()
 
 
-def _for_each_item(num_items, num_ctas, item):
-  """The persistent grid's loop: this program (axis "sm") runs work items cta,
-  cta + num_ctas, ... as item(w, count) -> count, the count (of streamed tiles) going
+def _item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
+  """(number of items, item(k)) of program `cta` of a persistent grid: round k of
+  num_ctas items gives it item k * num_ctas + cta. `snake`: odd rounds go backwards
+  (item k * num_ctas + num_ctas - 1 - cta). With items in falling cost (a causal
+  grid's, `_item_coords`) the plain order hands program 0 the heaviest item of every
+  round, and the programs' sums drift apart round by round: on 132 multiprocessors the
+  busiest program has 6% more work than the mean at 16K d128 causal, 12% at 4 x 4K
+  with 8 heads, and the kernel ends with it. Alternating directions pairs each round's
+  heavier half with the next round's lighter half (the boustrophedon assignment of
+  static scheduling): within 0.3% of the mean in both."""
+  rounds, rest = divmod(num_items, num_ctas)
+  if not snake:
+    return rounds + (cta < rest).astype(jnp.int32), lambda k: k * num_ctas + cta
+  backwards = lambda k: lax.rem(k, jnp.int32(2)) == 1
+  item = lambda k: k * num_ctas + jnp.where(backwards(k), num_ctas - 1 - cta, cta)
+  return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
+
+
+def _for_each_item(num_items, num_ctas, item, snake=False):
+  """The persistent grid's loop: this program (axis "sm") runs its work items
+  (`_item_schedule`) as item(w, count) -> count, the count (of streamed tiles) going
   on from one item to the next from 0; returns the last."""
-  cta = lax.axis_index("sm")
-  steps = lax.div(num_items - cta + num_ctas - 1, jnp.int32(num_ctas))
-  return lax.fori_loop(0, steps, lambda k, count: item(cta + k * num_ctas, count),
+  steps, item_index = _item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
+  return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
                        jnp.int32(0))
 
 
-def _run_persistent(persistent, pipe, item_of, produce, consume):
+def _run_persistent(persistent, pipe, item_of, produce, consume, snake):
   """A persistent program of two consumers and a producer: the producer runs
   produce(item, count) -> count over this program's work items (`_for_each_item`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
@@ -619,10 +657,11 @@ def _run_persistent(persistent, pipe, item_of, produce, consume):
 
   def produce_all():
     pipe.drain(_for_each_item(num_items, num_ctas,
-                              lambda w, count: produce(item_of(w), count)))
+                              lambda w, count: produce(item_of(w), count), snake))
 
   def consume_all(wg):
-    _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count))
+    _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
+                   snake)
   _warp_specialised(lax.axis_index("wg"), 2, produce_all, consume_all)
 
 
@@ -728,7 +767,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
   def consume(wg, item, count):
     return consume_as(wg, item.j, item.consume, count)
-  _run_persistent(persistent, slots, item_of, produce, consume)
+  _run_persistent(persistent, slots, item_of, produce, consume, snake=opts.is_causal)
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
@@ -1010,7 +1049,8 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
 
   _run_persistent(persistent, slots, item_of,
                   lambda item, count: produce(item.srcs, item.b, item.i, count),
-                  lambda wg, item, count: consume_as(wg, item.i, item.consume, count))
+                  lambda wg, item, count: consume_as(wg, item.i, item.consume, count),
+                  snake=opts.is_causal)
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
