@@ -93,10 +93,10 @@ def backward_config(q, k, cfg, masks: Masks, *, own_fields: bool = True) -> _bwd
 # slower (381.6 against 380.3, causal 278.1 against 280.3 at the backward's 240
 # registers; mosaic_backward_consumers_regs240_h200.json), from 4K faster.
 MHA_MIN_SEQ = 2048
-# ... and from which it takes it where the default runs the persistent grids
-# (`pallas_kernels.mosaic_gpu.backward.persistent_wins`): at 1K, batch 16, 16 heads,
-# 419.7 TF/s fwd+bwd against the Triton backward's 380.3
-# (mosaic_bwd_persistent_h200.json; mosaic_backward_consumers_regs240_h200.json).
+# ... and from which it takes it where the config runs the persistent grids
+# (`pallas_kernels.mosaic_gpu.backward.persistent_wins`), fwd+bwd against the Triton
+# backward in one process (mosaic_bwd_persistent_short_h200.json): 1K (batch 16, 16
+# heads) 422.6 TF/s against 375.0, 2K (batch 8) 471.9 against 420.8.
 MHA_PERSISTENT_MIN_SEQ = 1024
 # Query and key lengths from which "auto" takes the Mosaic GPU backward at the head dims
 # split by role (`pallas_kernels.mosaic_gpu.backward.by_role`): the shortest timed, 1K
@@ -116,8 +116,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     causal with the group split in four 523.5 against 464.4;
     mosaic_backward_consumers_regs240_h200.json);
   - one key head per query head, with the default backward fields (the config that was
-    timed), query and key lengths from MHA_MIN_SEQ (MHA_PERSISTENT_MIN_SEQ where
-    that config runs the persistent grids) and whole tiles of the program's
+    timed, or the same on the launched grids), query and key lengths from MHA_MIN_SEQ
+    (MHA_PERSISTENT_MIN_SEQ where the config runs the persistent grids) and whole
+    tiles of the program's
     128 rows: the Mosaic GPU backward (16K d128 527.5 against 464.7, causal 505.5
     against 467.7, mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in
     shared memory; in registers, the default since, 1.009x and 1.027x that,
@@ -159,8 +160,11 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ, whole tiles
     return "mosaic_gpu" if filled and whole and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
   # one key head per query head: only the timed config, on whole tiles
+  # The timed configs: the default, and the default on the launched grids (the default
+  # before the persistent grids, timed from MHA_MIN_SEQ rows).
+  default = backward_config(q, k, cfg, masks, own_fields=False)
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
-  timed_mha = (config == backward_config(q, k, cfg, masks, own_fields=False)
+  timed_mha = (config in (default, dataclasses.replace(default, persistent=False))
                and min(T, S) >= min_seq and whole)
   return "mosaic_gpu" if H == 128 and (grouped or timed_mha) and filled else "pallas"
 

@@ -61,11 +61,19 @@ def test_backward_choice_and_validation():
     short = jax.ShapeDtypeStruct((512, rows, 1, 128), jnp.bfloat16)  # a full causal grid
     assert mosaic_impl.backward_kind(short, short, *masks) == chosen, (rows, masks)
   assert not mosaic_impl.backward_config(mha, mha, *causal).persistent
+  # The launched grids pinned by the caller: timed (the default before), from MHA_MIN_SEQ
   pinned = jflash.prepare(q128, q128, q128,
                           config=jflash.MosaicGPUConfig(backward_persistent=False))
   assert not mosaic_impl.backward_config(mha, mha, *pinned).persistent   # the caller's
+  assert mosaic_impl.backward_kind(mha, mha, *pinned) == "mosaic_gpu"
   short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
-  assert mosaic_impl.backward_kind(short, mha, *pinned) == "pallas"   # untimed: not auto
+  assert mosaic_impl.backward_kind(short, short, *pinned) == "pallas"
+  # ... the persistent grids pinned for a causal call: untimed as the faster, so not auto
+  causal_persistent = jflash.prepare(q128, q128, q128, is_causal=True,
+                                     config=jflash.MosaicGPUConfig(backward_persistent=True))
+  wide = jax.ShapeDtypeStruct((32, n, 1, 128), jnp.bfloat16)      # a full causal grid
+  assert mosaic_impl.backward_kind(wide, wide, *causal) == "mosaic_gpu"
+  assert mosaic_impl.backward_kind(wide, wide, *causal_persistent) == "pallas"
   ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # padded in HBM
   assert mosaic_impl.backward_kind(ragged, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
   for untimed in (dict(backward_consumers=1), dict(backward_fused_dq=True),
@@ -344,12 +352,13 @@ def test_lowers_with_rows_in_registers(H):
       assert ("registers" in a) == (in_registers or H == 64)
 
 
-@pytest.mark.parametrize("H", [64, 128])
-def test_lowers_persistent(H):
+@pytest.mark.parametrize("H,causal", [(64, True), (128, True), (128, False)])
+def test_lowers_persistent(H, causal):
   """`persistent`: both kernels on a grid of 132 programs (the H200's multiprocessors)
-  looping over their items, every mask path, tails on both sides, with and without a
-  group split; off a GPU the program count must be given."""
-  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  looping over their items (causal: in the snake order), every mask path, tails on
+  both sides, with and without a group split; off a GPU the program count must be
+  given."""
+  opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
   config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=1 + (H == 64))
   lowered = _lowered(H, opts, with_masks=True, config=config, num_sms=132)
   assert lowered.count("@mosaic_gpu") == 2
@@ -465,7 +474,7 @@ def test_interpreted_kernel_options(consumers):
 @pytest.mark.parametrize("H,group_splits,causal", [(64, 2, True), (128, 1, True),
                                                    (64, 1, False)])
 def test_interpreted_persistent_grids(H, group_splits, causal):
-  """`persistent`: both kernels as two programs looping over the work items of their
+  """`persistent`: both kernels as three programs looping over the work items of their
   grids (dK/dV: 2 key tiles x 2 key heads x the group splits; dQ: 4 heads), in the
   causal order or the plain one, the streamed-tile count going on from item to item
   through three slots (items of 2, 3 or 4 tiles, and of none where a causal key tile
@@ -476,8 +485,10 @@ def test_interpreted_persistent_grids(H, group_splits, causal):
                               return_residuals=True)
   config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=group_splits,
                              dq_rows_in_registers=True, stages=3)
+  # Three programs: a partial last round (backwards in the causal snake order), so the
+  # programs run different numbers of items.
   got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
-                          opts=MaskOptions(is_causal=causal), interpret=True)
+                          opts=MaskOptions(is_causal=causal), interpret=True, num_sms=3)
   _check_grads(got, q, k, v, do, is_causal=causal, scale=H ** -0.5)
 
 
@@ -661,14 +672,16 @@ def test_second_order_gradients_are_refused():
     jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
 
 
-@pytest.mark.parametrize("num_items,num_ctas", [(2048, 132), (1024, 132), (7, 3), (5, 5),
-                                                (6, 4)])
-def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num_ctas):
-  """`_item_schedule`: each work item goes to exactly one program, in either order; with
-  items in falling cost (a causal grid: heads fastest, tiles slowest, the key tile's
-  query tiles falling by 2 per tile), the snake order keeps every program's sum within
-  one item of the mean where the plain order lets program 0 drift ahead."""
-  heads = 16
+@pytest.mark.parametrize("num_items,num_ctas,heads", [(2048, 132, 16), (7, 3, 1),
+                                                      (5, 5, 1), (6, 4, 1), (11, 4, 1)])
+def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num_ctas,
+                                                                  heads):
+  """`_item_schedule`: each work item goes to exactly one program, in either order
+  (partial last rounds forwards and backwards); with items in falling cost (a causal
+  grid: heads fastest, key tiles slowest, each tile seeing 2 query tiles fewer), the
+  snake order keeps every program's sum within one item of the others, and at 16K
+  d128 causal on 132 multiprocessors (the docstring's case) within 0.3% of the mean
+  where the plain order puts the busiest program 6% over it."""
   cost = np.array([256 - 2 * (w // heads) for w in range(num_items)])
   totals = {}
   for snake in (False, True):
@@ -680,5 +693,5 @@ def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num
     totals[snake] = np.array([cost[o].sum() for o in owned])
   plain, snake = totals[False], totals[True]
   assert snake.max() - snake.min() <= cost.max()
-  if num_items >= 8 * num_ctas:     # many rounds: the plain order's drift shows
-    assert plain.max() - plain.min() > 4 * (snake.max() - snake.min())
+  if num_items == 2048:
+    assert plain.max() / plain.mean() > 1.06 and snake.max() / snake.mean() < 1.003

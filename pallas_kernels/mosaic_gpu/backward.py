@@ -238,7 +238,10 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
   548.3 against 554.3 / 553.0: a dK/dV item runs the group's heads, and long items
   leave the last round uneven) and with a causal mask even in the balanced order
   (`_item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
-  launched grid the hardware schedules heaviest first as programs finish)."""
+  launched grid the hardware schedules heaviest first as programs finish). At d = 64,
+  where "auto" runs the Triton backward, only across calls: 374.0 at 4K
+  (mosaic_bwd_persistent_d64_h200.json) against the launched grids' 332.8-334.0
+  (mosaic_bwd_d64_rows_in_registers_h200.json)."""
   return not causal and group == 1
 
 
