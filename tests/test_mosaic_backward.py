@@ -676,7 +676,7 @@ def test_second_order_gradients_are_refused():
                                                       (5, 5, 1), (6, 4, 1), (11, 4, 1)])
 def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num_ctas,
                                                                   heads):
-  """`_item_schedule`: each work item goes to exactly one program, in either order
+  """`item_schedule`: each work item goes to exactly one program, in either order
   (partial last rounds forwards and backwards); with items in falling cost (a causal
   grid: heads fastest, key tiles slowest, each tile seeing 2 query tiles fewer), the
   snake order keeps every program's sum within one item of the others, and at 16K
@@ -687,7 +687,7 @@ def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num
   for snake in (False, True):
     owned = []
     for cta in range(num_ctas):
-      steps, item = mb._item_schedule(jnp.int32(cta), num_items, num_ctas, snake)
+      steps, item = mf.item_schedule(jnp.int32(cta), num_items, num_ctas, snake)
       owned.append([int(item(jnp.int32(k))) for k in range(int(steps))])
     assert sorted(sum(owned, [])) == list(range(num_items))
     totals[snake] = np.array([cost[o].sum() for o in owned])

@@ -64,7 +64,7 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
                                                TMA_ROWS, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
-                                               compiler_params, pad_axis)
+                                               compiler_params, item_schedule, pad_axis)
 
 HEAD_DIMS = (64, 128, 256)
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -237,7 +237,7 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
   Slower with grouped heads (GQA 32/8 8K 516.9 against 534.7, MQA 16/1 16K 549.2 /
   548.3 against 554.3 / 553.0: a dK/dV item runs the group's heads, and long items
   leave the last round uneven) and with a causal mask even in the balanced order
-  (`_item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
+  (`item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
   launched grid the hardware schedules heaviest first as programs finish). At d = 64,
   where "auto" runs the Triton backward, only across calls: 374.0 at 4K
   (mosaic_bwd_persistent_d64_h200.json) against the launched grids' 332.8-334.0
@@ -624,29 +624,11 @@ def _count_after(count, tiles):
   return None if count is None else count + tiles()
 
 
-def _item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
-  """(number of items, item(k)) of program `cta` of a persistent grid: round k of
-  num_ctas items gives it item k * num_ctas + cta. `snake`: odd rounds go backwards
-  (item k * num_ctas + num_ctas - 1 - cta). With items in falling cost (a causal
-  grid's, `_item_coords`) the plain order hands program 0 the heaviest item of every
-  round, and the programs' sums drift apart round by round: on 132 multiprocessors the
-  busiest program has 6% more work than the mean at 16K d128 causal, 12% at 4 x 4K
-  with 8 heads, and the kernel ends with it. Alternating directions pairs each round's
-  heavier half with the next round's lighter half (the boustrophedon assignment of
-  static scheduling): within 0.3% of the mean in both."""
-  rounds, rest = divmod(num_items, num_ctas)
-  if not snake:
-    return rounds + (cta < rest).astype(jnp.int32), lambda k: k * num_ctas + cta
-  backwards = lambda k: lax.rem(k, jnp.int32(2)) == 1
-  item = lambda k: k * num_ctas + jnp.where(backwards(k), num_ctas - 1 - cta, cta)
-  return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
-
-
 def _for_each_item(num_items, num_ctas, item, snake=False):
   """The persistent grid's loop: this program (axis "sm") runs its work items
-  (`_item_schedule`) as item(w, count) -> count, the count (of streamed tiles) going
+  (`item_schedule`) as item(w, count) -> count, the count (of streamed tiles) going
   on from one item to the next from 0; returns the last."""
-  steps, item_index = _item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
+  steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
   return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
                        jnp.int32(0))
 

@@ -282,6 +282,25 @@ def _load_vector(ref, layout, interpret):
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
+  """(number of items, item(k)) of program `cta` of a persistent grid (the forward's
+  and both backward kernels'): round k of num_ctas items gives it item
+  k * num_ctas + cta. `snake`: odd rounds go backwards (item k * num_ctas + num_ctas -
+  1 - cta). With items in falling cost (a causal grid's: the forward's `coords_of`,
+  the backward's `_item_coords`) the plain order hands program 0 the heaviest item of
+  every round, and the programs' sums drift apart round by round: in the backward on
+  132 multiprocessors the busiest program has 6% more work than the mean at 16K d128
+  causal, 12% at 4 x 4K with 8 heads, and the kernel ends with it. Alternating
+  directions pairs each round's heavier half with the next round's lighter half (the
+  boustrophedon assignment of static scheduling): within 0.3% of the mean in both."""
+  rounds, rest = divmod(num_items, num_ctas)
+  if not snake:
+    return rounds + (cta < rest).astype(jnp.int32), lambda k: k * num_ctas + cta
+  backwards = lambda k: lax.rem(k, jnp.int32(2)) == 1
+  item = lambda k: k * num_ctas + jnp.where(backwards(k), num_ctas - 1 - cta, cta)
+  return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
+
+
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
             num_q_blocks, num_heads, num_items, num_ctas, dtype, interpret, pv_in_place):
   plgpu = _plgpu()
@@ -313,15 +332,17 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     if num_ctas is None:     # one item per program
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None)
-    cta = lax.axis_index("sm")  # persistent: items cta, cta + num_ctas, ...
+    # persistent: this program's items from `item_schedule`
+    steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas,
+                                      snake=opts.is_causal)
     heads_batch = num_items // num_q_blocks
 
     def coords_of(w):
       if opts.is_causal:
-        # (head, batch) fastest, query blocks from the heaviest: each round of num_ctas
-        # items costs about the same in every program, the static form of longest-
-        # processing-time-first. With query blocks fastest one program would take the
-        # heaviest block of every head and another the lightest.
+        # (head, batch) fastest, query blocks from the heaviest, rounds alternating
+        # direction (`item_schedule`): every program gets about the same work, the
+        # static form of longest-processing-time-first. With query blocks fastest one
+        # program would take the heaviest block of every head and another the lightest.
         level, head_batch = lax.div(w, jnp.int32(heads_batch)), lax.rem(w, jnp.int32(heads_batch))
       else:
         # Query blocks fastest: programs running at once read the same head's K and V
@@ -330,10 +351,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       return (block_of(level), lax.rem(head_batch, jnp.int32(num_heads)),
               lax.div(head_batch, jnp.int32(num_heads)))
 
-    def step(t, tiles):
-      return item(coords_of(cta + t * num_ctas), tiles)
-    first = item(coords_of(cta), None)
-    return lax.fori_loop(1, lax.div(num_items - cta + num_ctas - 1, num_ctas), step, first)
+    first = item(coords_of(item_index(jnp.int32(0))), None)
+    return lax.fori_loop(1, steps, lambda t, tiles: item(coords_of(item_index(t)), tiles),
+                         first)
 
   def schedule_arrive():
     if config.ping_pong:
