@@ -160,8 +160,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ, whole tiles
     return "mosaic_gpu" if filled and whole and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
   # one key head per query head: only the timed config, on whole tiles
-  # The timed configs: the default, and the default on the launched grids (the default
-  # before the persistent grids, timed from MHA_MIN_SEQ rows).
+  # The timed configs: the default, and the default on the launched grids (timed from
+  # MHA_MIN_SEQ rows; the persistent grids from MHA_PERSISTENT_MIN_SEQ).
   default = backward_config(q, k, cfg, masks, own_fields=False)
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
   timed_mha = (config in (default, dataclasses.replace(default, persistent=False))

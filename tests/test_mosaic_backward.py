@@ -61,14 +61,15 @@ def test_backward_choice_and_validation():
     short = jax.ShapeDtypeStruct((512, rows, 1, 128), jnp.bfloat16)  # a full causal grid
     assert mosaic_impl.backward_kind(short, short, *masks) == chosen, (rows, masks)
   assert not mosaic_impl.backward_config(mha, mha, *causal).persistent
-  # The launched grids pinned by the caller: timed (the default before), from MHA_MIN_SEQ
+  # The launched grids pinned by the caller: timed against Triton from MHA_MIN_SEQ
   pinned = jflash.prepare(q128, q128, q128,
                           config=jflash.MosaicGPUConfig(backward_persistent=False))
   assert not mosaic_impl.backward_config(mha, mha, *pinned).persistent   # the caller's
   assert mosaic_impl.backward_kind(mha, mha, *pinned) == "mosaic_gpu"
   short = jax.ShapeDtypeStruct((1, n // 2, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(short, short, *pinned) == "pallas"
-  # ... the persistent grids pinned for a causal call: untimed as the faster, so not auto
+  # ... the persistent grids pinned for a causal call: slower than the launched ones
+  # there, not a timed config, so not auto
   causal_persistent = jflash.prepare(q128, q128, q128, is_causal=True,
                                      config=jflash.MosaicGPUConfig(backward_persistent=True))
   wide = jax.ShapeDtypeStruct((32, n, 1, 128), jnp.bfloat16)      # a full causal grid

@@ -1,7 +1,7 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
 (dq, dk, dv). Checked on the H200 against float64 (experiments/results/
-mosaic_backward_check_h200.json; the dQ kernel's rows in registers, the default since,
-mosaic_backward_check_rows_in_registers_h200.json) and, on a CPU, by lowering and by
+mosaic_backward_check_h200.json at the defaults; mosaic_bwd_persistent_check_h200.json
+with the persistent grids wherever they run) and, on a CPU, by lowering and by
 Mosaic GPU's own interpreter (tests/test_mosaic_backward.py).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
@@ -236,9 +236,10 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
   against 534.9 / 531.5; the decoder LM's shape 487.7 / 494.9 against 488.3 / 484.3.
   Slower with grouped heads (GQA 32/8 8K 516.9 against 534.7, MQA 16/1 16K 549.2 /
   548.3 against 554.3 / 553.0: a dK/dV item runs the group's heads, and long items
-  leave the last round uneven) and with a causal mask even in the balanced order
+  leave the last round uneven) and with a causal mask even in the snake order
   (`item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
-  launched grid the hardware schedules heaviest first as programs finish). At d = 64,
+  launched grid the hardware schedules heaviest first as programs finish; level at 1K
+  causal, 277.8 / 279.9 against 275.0 / 274.4). At d = 64,
   where "auto" runs the Triton backward, only across calls: 374.0 at 4K
   (mosaic_bwd_persistent_d64_h200.json) against the launched grids' 332.8-334.0
   (mosaic_bwd_d64_rows_in_registers_h200.json)."""
@@ -655,10 +656,9 @@ def _item_coords(w, sizes, causal: bool):
   `sizes` (tiles, then heads, ..., batch). Without a causal mask the tiles are the
   fastest axis: programs running at once read the same head's streamed tiles (shared
   through L2). With one, items differ in cost (a key tile's work falls with its index,
-  a query block's rises), so the tiles are the slowest axis and taken in the order
-  given (heaviest first: key tiles ascending, query blocks through
-  `query_block_order`), which gives each round of num_ctas items about the same cost
-  in every program, as the forward's persistent grid does."""
+  a query block's rises), so the tiles are the slowest axis and taken heaviest first
+  (key tiles ascending, query blocks through `query_block_order`), for
+  `item_schedule`'s snake rounds to balance, as in the forward's persistent grid."""
   order = list(range(1, len(sizes))) + [0] if causal else list(range(len(sizes)))
   coords = [None] * len(sizes)
   for axis in order[:-1]:

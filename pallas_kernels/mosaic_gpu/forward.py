@@ -283,16 +283,17 @@ def _load_vector(ref, layout, interpret):
 
 
 def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
-  """(number of items, item(k)) of program `cta` of a persistent grid (the forward's
-  and both backward kernels'): round k of num_ctas items gives it item
+  """(steps, item(k)): the number of work items of program `cta` of a persistent grid
+  of num_ctas programs (the forward's and both backward kernels'; num_ctas <=
+  num_items, so steps >= 1) and its k-th item: round k of num_ctas items gives it item
   k * num_ctas + cta. `snake`: odd rounds go backwards (item k * num_ctas + num_ctas -
   1 - cta). With items in falling cost (a causal grid's: the forward's `coords_of`,
   the backward's `_item_coords`) the plain order hands program 0 the heaviest item of
   every round, and the programs' sums drift apart round by round: in the backward on
   132 multiprocessors the busiest program has 6% more work than the mean at 16K d128
-  causal, 12% at 4 x 4K with 8 heads, and the kernel ends with it. Alternating
-  directions pairs each round's heavier half with the next round's lighter half (the
-  boustrophedon assignment of static scheduling): within 0.3% of the mean in both."""
+  causal, 12% at 4 x 4K with 8 heads, and the kernel ends with it. The snake order
+  pairs each round's heavier half with the next round's lighter half: within 0.3% of
+  the mean in both."""
   rounds, rest = divmod(num_items, num_ctas)
   if not snake:
     return rounds + (cta < rest).astype(jnp.int32), lambda k: k * num_ctas + cta
@@ -339,8 +340,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
     def coords_of(w):
       if opts.is_causal:
-        # (head, batch) fastest, query blocks from the heaviest, rounds alternating
-        # direction (`item_schedule`): every program gets about the same work, the
+        # (head, batch) fastest, query blocks from the heaviest, in snake rounds
+        # (`item_schedule`): every program gets about the same work, the
         # static form of longest-processing-time-first. With query blocks fastest one
         # program would take the heaviest block of every head and another the lightest.
         level, head_batch = lax.div(w, jnp.int32(heads_batch)), lax.rem(w, jnp.int32(heads_batch))
