@@ -134,7 +134,22 @@ def cell_fwd_bwd_step(args):
     return jax.vjp(attend, q, k, v)[1](do)
   compiled = jax.jit(step).lower(q, k, v, do).compile()
   return (lambda: compiled(q, k, v, do)), compiled, case.batch * case.s, dict(
-      cell=dataclasses.asdict(case))
+      cell=dataclasses.asdict(case), **ran_by(args.impl, case, q, k, v, config))
+
+
+def ran_by(impl, case, q, k, v, config):
+  """{"implementation": what ran, "backward": which backward "mosaic_gpu" runs}: a
+  config's backward fields off the timed defaults can make "auto" take the Triton
+  backward, which the profile's kernel names would show only to a reader who knows them."""
+  if impl == "cudnn":
+    return dict(implementation="cudnn", backward=None)
+  import jflash
+  from experiments.bench.peers import resolved_implementation
+  from jflash import mosaic_impl
+  ran = resolved_implementation(case, q.dtype) if impl == "jflash" else impl
+  backward = (mosaic_impl.backward_kind(q, k, *jflash.prepare(
+      q, k, v, is_causal=case.causal, config=config)) if ran == "mosaic_gpu" else None)
+  return dict(implementation=ran, backward=backward)
 
 
 def main(argv=None):
@@ -184,6 +199,8 @@ def main(argv=None):
     extra["hlo"] = hlo.name
   path = common.write_result(name, vars(args) | record, rows, extra=extra,
                              out_dir=args.out_dir)
+  if args.cell:
+    common.log(f"implementation {record['implementation']}, backward {record['backward']}")
   common.log(f"{total_ms} ms of ops per step, {span_ms} ms from the first to the last "
              f"({wall_ms:.2f} ms wall); wrote {path}")
   for r in rows[:15]:

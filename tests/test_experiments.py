@@ -147,6 +147,7 @@ def test_profile_step_of_one_attention_cell(tmp_path):
              "--name", "pc")
   res = load(tmp_path, "pc")
   assert res["rows"] and res["config"]["cell"]["name"] == "tiny causal"
+  assert (res["config"]["implementation"], res["config"]["backward"]) == ("xla", None)
   assert abs(sum(r["ms"] for r in res["rows"]) - res["total_ms_per_step"]) < 1e-3 * len(res["rows"])
   # The timeline: every event, in order of start; the span covers them all.
   order = res["timeline"]
