@@ -594,6 +594,25 @@ def _dkv_query_side(r, b, n, i, masked, kv_seg, *, bq, key0, opts, kv_len, inter
   return lse2, delta, keep
 
 
+def _producer_and_consumers(r, fixed, streamed, *, consumers, stages, rows):
+  """The plumbing of a kernel whose producer warpgroup streams `streamed` (two refs'
+  names) to consumers that each own 64 rows of `fixed` (two more): (pipe(srcs), the
+  producer's side of the slots for sources `srcs`; slots, the consumers' side and the
+  final drain; consume_as(wg, block, consume, count=None) -> count, which runs
+  consume(wg, fixed tiles, their barriers, first row, tiles, count) for consumer wg of
+  the program's block, its rows (block * consumers + wg) * rows on)."""
+  loaded = r["fixed_loaded"]
+  pipe = lambda srcs: _Pipeline(srcs, [r[name] for name in streamed], r["loaded"],
+                                r["consumed"], stages)
+  slots = pipe(None)
+
+  def consume_as(wg, block, consume, count=None):
+    return consume(wg, *(r[name].at[wg] for name in fixed),
+                   (loaded.at[2 * wg], loaded.at[2 * wg + 1]), (block * consumers + wg) * rows,
+                   (None, None, slots.acquire, slots.release), count)
+  return pipe, slots, consume_as
+
+
 def _produce_query_tiles(pipe, ranges, b, j, own, base=None):
   """The producer of the dK/dV kernels: the visited query tiles of key tile j, for each
   of the program's `own` query heads in turn (the consumers' loop order). `base`: the
@@ -719,16 +738,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
       return
 
-  fixed = r["fixed_loaded"]
-  pipe = lambda srcs: _Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"],
-                                r["consumed"], stages)
-  slots = pipe(None)       # the consumers' side (and the final drain): no sources
-
-  def consume_as(wg, j, consume, count=None):
-    return consume(wg, r["k_smem"].at[wg], r["v_smem"].at[wg],
-                   (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (j * consumers + wg) * bk,
-                   (None, None, slots.acquire, slots.release), count)
-
+  pipe, slots, consume_as = _producer_and_consumers(
+      r, ("k_smem", "v_smem"), ("q_smem", "do_smem"), consumers=consumers, stages=stages,
+      rows=bk)
   if persistent is None:
     _warp_specialised(lax.axis_index("wg"), consumers,
                       lambda: _produce_query_tiles(pipe(srcs), ranges, b, j, own),
@@ -984,7 +996,6 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   item_at = functools.partial(_dq_program, r, _Products(interpret, r.get("acc")), bq=bq,
                               bk=bk, group=group, interpret=interpret, opts=opts,
                               scale=scale, rows_in_registers=rows_in_registers)
-  fixed = r["fixed_loaded"]
   if persistent is None:
     i, b, srcs, consume = item_at(block_of(lax.axis_index("q")), lax.axis_index("heads"),
                                   lax.axis_index("batch"))
@@ -994,14 +1005,15 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
       def before(t, j, hi):                # copy the next tile into the other slot
         slot = lax.rem(t, 2)
         pl.when(j + 1 < hi)(lambda: stream.start(1 - slot, j + 1))
-
+      fixed = r["fixed_loaded"]
       consume(0, r["q_smem"], r["do_smem"], (fixed.at[0], fixed.at[1]), i * bq,
               (lambda lo: stream.start(0, lo), before, lambda t: stream.wait(lax.rem(t, 2)),
                None))
       return
 
-  pipe = lambda srcs: _Pipeline(srcs, [r["k_smem"], r["v_smem"]], r["loaded"],
-                                r["consumed"], stages)
+  pipe, slots, consume_as = _producer_and_consumers(
+      r, ("q_smem", "do_smem"), ("k_smem", "v_smem"), consumers=consumers, stages=stages,
+      rows=bq)
 
   def produce(srcs, b, i, count=None):
     """The visited key tiles of query block i, counted from `count` on in a persistent
@@ -1012,13 +1024,6 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     if count is None:
       pipe(srcs).drain(hi - lo)
     return _count_after(count, lambda: hi - lo)
-
-  slots = pipe(None)       # the consumers' side (and the final drain): no sources
-
-  def consume_as(wg, i, consume, count=None):
-    return consume(wg, r["q_smem"].at[wg], r["do_smem"].at[wg],
-                   (fixed.at[2 * wg], fixed.at[2 * wg + 1]), (i * consumers + wg) * bq,
-                   (None, None, slots.acquire, slots.release), count)
 
   if persistent is None:
     _warp_specialised(lax.axis_index("wg"), consumers, lambda: produce(srcs, b, i),
