@@ -22,10 +22,9 @@ import argparse
 import collections
 import dataclasses
 import gzip
+import json
 import tempfile
 from pathlib import Path
-
-import json
 
 import jax
 import numpy as np
