@@ -4,10 +4,10 @@ and forward time against cuDNN.
 Correctness: out and lse of `implementation="mosaic_gpu"` against the float64 NumPy
 reference, under the test suite's rule (error <= 2x the error of the plain same-dtype
 implementation, `implementation="xla"`, plus a few roundings of the dtype), over head
-dims 64/128/256, MHA/GQA/MQA, causal and not, T != S, T and S off the tile, window,
-segments, lengths (0 included) and fully masked rows; one gradient through the Triton
-backward; one NaN. Dispatch: which implementation `implementation=None` picks for a
-supported call. Timing: forward TFLOP/s of mosaic_gpu, cuDNN (jax.nn) and jflash's
+dims 64/128/256 and off the table 16/32/48/80/96/160/192, MHA/GQA/MQA, causal and not,
+T != S, T and S off the tile, window, segments, lengths (0 included) and fully masked
+rows; one gradient through the Triton backward; one NaN. Dispatch: which
+implementation `implementation=None` picks for a supported call. Timing: forward TFLOP/s of mosaic_gpu, cuDNN (jax.nn) and jflash's
 Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
 
   python -m experiments.mosaic_check                 # everything, on an H100/H200
@@ -20,8 +20,8 @@ Triton "pallas" in one process, bf16 (FLOPs 4 B S^2 N H, halved when causal).
 With `--backward`, the Mosaic GPU backward (forced: `MosaicGPUConfig(backward=
 "mosaic_gpu")`) instead: dq, dk, dv against the float64 closed form under the same 2x
 rule (dtype roundings plus float32 roundings of the longest sum: S for dq, T x group
-for dk and dv) over head dims 64/128, MHA/GQA/MQA, causal and not, off-tile T and S,
-window + segments + soft cap + lengths (0 included); a NaN in one query row; vmap
+for dk and dv) over the forward's head dims, MHA/GQA/MQA, causal and not, off-tile T and
+S, window + segments + soft cap + lengths (0 included); a NaN in one query row; vmap
 against the same calls one by one; then
 fwd+bwd TFLOP/s against cuDNN and against "mosaic_gpu" with the Triton backward
 (FLOPs 3.5x the forward's: 14 B S^2 N H, halved when causal). `--backward-configs`
@@ -97,6 +97,21 @@ def cases():
   kv_seg = np.zeros((1, 640), np.int32)
   out.append(("fully masked rows (segment with no key) d128", (1, 512, 640, 4, 4, 128), bf16,
               dict(segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)))))
+  # Head dims between the table's (`forward.table_head_dim`): each swizzle width (32
+  # bytes at d16, d48 and d80, 64 at d32, d96 and d160, 128 at d192) and both sides of
+  # the backward's `by_role` (d160, d192).
+  out.append(("off-table mha d96 causal", (1, 1024, 1024, 4, 4, 96), bf16, dict(is_causal=True)))
+  out.append(("off-table gqa 8/2 d80, T=S=1000", (1, 1000, 1000, 8, 2, 80), bf16, {}))
+  out.append(("off-table mqa 4/1 d192 causal, T=200 S=700", (1, 200, 700, 4, 1, 192), bf16,
+              dict(is_causal=True)))
+  out.append(("off-table window (64, 32) + kv lengths d32 fp16 causal", (2, 999, 999, 4, 2, 32),
+              f16, dict(is_causal=True, local_window_size=(64, 32),
+                        key_value_seq_lengths=jnp.asarray([999, 500], jnp.int32))))
+  out.append(("off-table mha d16 causal, T=S=300", (1, 300, 300, 4, 4, 16), bf16,
+              dict(is_causal=True)))
+  out.append(("off-table gqa 4/2 d48, T=200 S=500", (1, 200, 500, 4, 2, 48), bf16, {}))
+  out.append(("off-table segments + soft cap d160 fp16 causal", (1, 1024, 1024, 4, 4, 160), f16,
+              dict(is_causal=True, segment_ids=jnp.asarray(seg, jnp.int32), logits_soft_cap=20.0)))
   return out
 
 
@@ -212,6 +227,9 @@ CELLS = [  # (name, B, S, N, H)
     ("16K d128", 1, 16384, 16, 128),
     ("4K d64", 4, 4096, 32, 64),
     ("4K d256", 4, 4096, 8, 256),
+    ("4K d96", 4, 4096, 16, 96),       # off the table (`forward.table_head_dim`)
+    ("4K d80", 4, 4096, 16, 80),
+    ("4K d192", 4, 4096, 8, 192),
 ]
 
 
@@ -337,8 +355,8 @@ def sweep_configs(H):
   fit shared memory (the table's configs are among them)."""
   import dataclasses
   from pallas_kernels.mosaic_gpu.forward import (SMEM_BYTES, MosaicConfig, default_config,
-                                                 smem_bytes)
-  cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[H]
+                                                 smem_bytes, table_head_dim)
+  cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[table_head_dim(H)]
            for p in (False, True)]
   two = [default_config(H, c).with_consumers(2) for c in (False, True)]  # the table may hold 3
   cands += [dataclasses.replace(c, overlap=True) for c in two]
@@ -423,12 +441,15 @@ def leaves_out(fields, shape):
 BACKWARD_LEAVES_OUT = ("window (128, 0)", "kv length 0", "fully masked rows")
 
 
+def selected(only, name) -> bool:
+  """Whether case `name` runs under --only (comma-separated substrings; None: all)."""
+  return not only or any(part in name for part in only.split(","))
+
+
 def backward_cases():
-  """The forward's cases (same shapes, dtypes and masks) at the head dims the Mosaic GPU
-  backward supports, less BACKWARD_LEAVES_OUT."""
-  from pallas_kernels.mosaic_gpu.backward import HEAD_DIMS
+  """The forward's cases (same shapes, dtypes and masks), less BACKWARD_LEAVES_OUT."""
   return [("bwd " + name, shape, dtype, kw) for name, shape, dtype, kw in cases()
-          if shape[-1] in HEAD_DIMS and not name.startswith(BACKWARD_LEAVES_OUT)]
+          if not name.startswith(BACKWARD_LEAVES_OUT)]
 
 
 def check_backward_case(name, shape, dtype, kw, seed, fields=None):
@@ -537,6 +558,9 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("GQA 16/4 4K d256", 2, 4096, 16, 4, 256),
     ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
     ("MQA 16/1 16K d128", 1, 16384, 16, 1, 128),
+    ("4K d96", 4, 4096, 16, 16, 96),      # off the table (`forward.table_head_dim`)
+    ("4K d80", 4, 4096, 16, 16, 80),
+    ("4K d192", 4, 4096, 8, 8, 192),
 ]
 
 
@@ -630,7 +654,7 @@ def main_backward(args):
     for fields in variants:
       suffix = backward_suffix(fields)
       for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
-        if args.only and args.only not in name:
+        if not selected(args.only, name):
           continue
         why = leaves_out(fields, shape)
         if why:
@@ -678,7 +702,8 @@ def main(argv=None):
   p.add_argument("--no-timing", action="store_true", help="skip the timing")
   p.add_argument("--sweep", action="store_true", help="time the kernel's tile variants too")
   p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--only", default=None, help="run only the cases whose name contains this")
+  p.add_argument("--only", default=None,
+                 help="run only the cases whose name contains one of these (comma-separated)")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
   p.add_argument("--variants", default="",
@@ -707,7 +732,7 @@ def main(argv=None):
   checks = []
   if not args.no_check:
     for i, (name, shape, dtype, kw) in enumerate(cases()):
-      if args.only and args.only not in name:
+      if not selected(args.only, name):
         continue
       checks.append(check_case(name, shape, dtype, kw, seed=i, config=config))
       print({k: checks[-1].get(k) for k in ("name", "ok", "out", "lse", "empty_rows",

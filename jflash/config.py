@@ -130,16 +130,16 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    backward: "auto" (default): the Mosaic GPU backward at head_dim 128 for grouped
+    backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles (`MHA_PERSISTENT_MIN_SEQ`
-      without a causal mask), and at head_dim 256 from
+      without a causal mask), and above 128 from
       `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows of whole tiles, unless a causal dK/dV
       grid stays small, where it measured faster on the H200, else the Triton one (the
       rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
-      (pallas_kernels/mosaic_gpu/backward.py), head_dim 64, 128 or 256.
+      (pallas_kernels/mosaic_gpu/backward.py), head_dim a multiple of 16 up to 256.
     backward_block_n: whenever the Mosaic GPU backward runs, the N of each of its
       kernels' first products (query rows per tile of the dK/dV kernel, key rows per
       tile of the dQ kernel unless backward_dq_block_n sets those): 64, 128, 192 or
@@ -147,7 +147,8 @@ class MosaicGPUConfig(BackendConfig):
     backward_consumers: whenever the Mosaic GPU backward runs, compute warpgroups per
       program: 1, or 2 with a producer warpgroup (warp-specialised); None takes the
       default, 2, the faster on the H200 (`pallas_kernels.mosaic_gpu.backward
-      .call_config`); at head_dim 256 only 2 runs (the two share the dK/dV work by role).
+      .call_config`); above head_dim 128 only 2 runs (the two share the dK/dV work by
+      role).
     backward_fused_dq: whenever the Mosaic GPU backward runs, accumulate dQ in its
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
@@ -172,10 +173,10 @@ class MosaicGPUConfig(BackendConfig):
       consumers, the dK/dV kernel's in shared memory.
     backward_stages: whenever the Mosaic GPU backward runs, shared-memory slots of the
       tiles its producer warpgroups stream (>= 2; a program of one warpgroup, as the
-      dQ kernel's at head_dim 256, double-buffers its own); None: 2.
+      dQ kernel's above head_dim 128, double-buffers its own); None: 2.
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
-      consumers, not with backward_fused_dq, not at head_dim 256); None: the kernel's
+      consumers, not with backward_fused_dq, not above head_dim 128); None: the kernel's
       default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
       query head without a causal mask).
   """

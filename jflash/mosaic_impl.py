@@ -109,7 +109,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   """Which backward runs: the caller's choice, or with "auto" the faster one as measured
   on the H200 (bf16, fwd+bwd against the Triton backward in the same process), with
   the backward's default config (two consumer warpgroups and a producer;
-  `pallas_kernels.mosaic_gpu.backward.call_config`). At head_dim 128:
+  `pallas_kernels.mosaic_gpu.backward.call_config`). At head_dim 128 (and those that
+  take its tiles, below):
   - grouped heads (GQA, MQA): the Mosaic GPU backward, whose dK/dV program runs the
     group's query heads against K and V held in shared memory (GQA 32/8 8K 526.3
     against 468.6 TF/s, causal 500.8 against 437.9; MQA 16/1 16K 553.4 against 458.4,
@@ -141,7 +142,13 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
   head_dim 64 (two consumers 330.8 against 377.3 at 4K at 240 registers, query tiles
-  of 128 slower still, mosaic_bwd_d64_regs240_h200.json): the Triton backward."""
+  of 128 slower still, mosaic_bwd_d64_regs240_h200.json): the Triton backward.
+  Head dims off the table follow the one whose tiles they take
+  (`pallas_kernels.mosaic_gpu.forward.table_head_dim`): up to 64 the Triton backward;
+  80 and 96 the rule of 128 (timed with one key head per query head at 4K, batch 4,
+  16 heads: d96 455.7 against 393.7, causal 379.1 against 344.2; d80 394.3 against
+  357.7, causal 339.9 against 310.3); above 128 the rule of 256 (d192, 8 heads: 398.9
+  against 372.4, causal 371.5 against 335.7; mosaic_off_table_bwd_time_h200.json)."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
@@ -166,7 +173,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
   timed_mha = (config in (default, dataclasses.replace(default, persistent=False))
                and min(T, S) >= min_seq and whole)
-  return "mosaic_gpu" if H == 128 and (grouped or timed_mha) and filled else "pallas"
+  return ("mosaic_gpu" if _fwd.table_head_dim(H) == 128 and (grouped or timed_mha) and filled
+          else "pallas")
 
 
 def supports(q, k, v, cfg, masks: Masks):

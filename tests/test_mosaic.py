@@ -64,7 +64,8 @@ def test_refuses_devices_other_than_hopper(device, reason):
 
 
 @pytest.mark.parametrize("H, dtype, reason", [
-    (96, jnp.bfloat16, "head_dim in"), (32, jnp.float16, "head_dim in"),
+    (72, jnp.bfloat16, "a multiple of 16 up to 256, got 72"),
+    (272, jnp.float16, "a multiple of 16 up to 256, got 272"),
     (64, jnp.float32, "bfloat16 and float16"),
 ])
 def test_refuses_shapes_and_dtypes(H, dtype, reason):
@@ -183,8 +184,27 @@ def test_tile_validation(kw, bad):
     mf.MosaicConfig(**kw)
 
 
+# Head dims between the table's: each swizzle width, and both sides of by_role's 128.
+OFF_TABLE_HEAD_DIMS = (32, 80, 96, 160, 192)
+
+
+def test_off_table_head_dims_take_the_next_entry_and_the_widest_swizzle():
+  """A head dim between the table's takes the next one's tiles; its tiles' rows are
+  laid out in the widest swizzle they fill whole (bytes: 2 per element, 4 for the
+  backward's float32 tiles)."""
+  assert [mf.table_head_dim(H) for H in (16, 32, 64, 80, 96, 128, 160, 192, 256)] == \
+      [64, 64, 64, 128, 128, 128, 256, 256, 256]
+  assert mf.default_config(96, True, 4096) == mf.default_config(128, True, 4096)
+  assert [mf.swizzle_bytes(H, 2) for H in (16, 32, 48, 64, 80, 96, 160, 192, 256)] == \
+      [32, 64, 32, 128, 32, 64, 64, 128, 128]
+  assert [mf.swizzle_bytes(H, 4) for H in (16, 80, 96)] == [64, 64, 128]
+  for H in (0, 8, 72, 272):
+    with pytest.raises(NotImplementedError, match=f"multiple of 16 up to 256, got {H}"):
+      mf.table_head_dim(H)
+
+
 def test_default_tiles_fit_shared_memory():
-  for H in mf.HEAD_DIMS:
+  for H in (*mf.TABLE_HEAD_DIMS, *OFF_TABLE_HEAD_DIMS):
     for causal in (False, True):
       assert mf.smem_bytes(H, 2, mf.default_config(H, causal)) <= mf.SMEM_BYTES
   with pytest.raises(NotImplementedError, match="shared memory"):
@@ -218,10 +238,18 @@ def _segments_and_lengths(q_seg, kv_seg, kv_len):
                       schedule=None)
 
 
-@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_to_mosaic_gpu(H, causal):
   assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal))
+
+
+@pytest.mark.parametrize("H", OFF_TABLE_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_off_table_head_dims(H, causal):
+  """Through Mosaic GPU's own checks of each product's operands (their tiling must be
+  one swizzle row) down to the matrix-product instructions."""
+  assert "wgmma" in _kernel_module(_lowered(H, MaskOptions(is_causal=causal)))
 
 
 @pytest.mark.parametrize("T, S, padded", [(1000, 3000, False), (200, 330, True),
@@ -281,7 +309,7 @@ def test_three_consumers_refused_where_they_do_not_compile(H, config):
     mf.check_supported(q, k, v, mf.MosaicConfig(**config, **THREE_CONSUMERS))
 
 
-@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 def test_sweep_variants_are_configs_the_kernel_takes(H):
   from experiments.mosaic_check import sweep_configs
   q, k, v = _qkv(H)
@@ -306,7 +334,7 @@ def test_register_split_reaches_the_kernel(consumer, producer):
   assert counts == sorted([consumer, producer])
 
 
-@pytest.mark.parametrize("H", mf.HEAD_DIMS)
+@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_overlapped(H, causal):
   config = dataclasses.replace(mf.default_config(H, causal).with_consumers(2), overlap=True)
@@ -348,14 +376,15 @@ def _check_against_reference(q, k, v, out, lse, **kw):
 THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolves to False
 
 
-@pytest.mark.parametrize("variant", [{}, dict(overlap=True), THREE_CONSUMERS])
-def test_interpreted_pipeline_mqa_causal_off_tile(variant):
+@pytest.mark.parametrize("variant, H", [({}, 64), (dict(overlap=True), 64),
+                                        (THREE_CONSUMERS, 64), ({}, 80)])
+def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
   """Two programs of 128 rows (T = 130), the last one mostly padding (with three
   consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
   through 2 slots, so the producer refills slots behind the consumed barriers; with the
   two consumers ping-ponged, with the softmax overlapped with P V in each consumer, or
-  with three unsynchronised consumers."""
-  q, k, v = random_qkv((1, 130, 200, 2, 1, 64), jnp.bfloat16, seed=1)[:3]
+  with three unsynchronised consumers; and at a head dim off the table."""
+  q, k, v = random_qkv((1, 130, 200, 2, 1, H), jnp.bfloat16, seed=1)[:3]
   config = mf.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=True)

@@ -111,6 +111,18 @@ def test_backward_choice_and_validation():
     assert mosaic_impl.backward_kind(q256, k256, *own) == chosen, (shape, causal)
   one = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(backward_consumers=1))
   assert mosaic_impl.backward_kind(q256, q256, *one) == "pallas"  # not runnable at 256
+  # Head dims off the table follow the rule of the one whose tiles they take: 64's up
+  # to 64, 128's up to 128 (MHA from MHA_PERSISTENT_MIN_SEQ, grouped heads), 256's above.
+  plain = jflash.prepare(q128, q128, q128)
+  for H, (B, T, N, K), chosen in ((48, (1, n_p, 1, 1), "pallas"),
+                                  (80, (1, n_p, 1, 1), "mosaic_gpu"),
+                                  (96, (1, n_p - 128, 1, 1), "pallas"),
+                                  (96, (1, 64, 2, 1), "mosaic_gpu"),
+                                  (192, (16, n256, 8, 8), "mosaic_gpu"),
+                                  (160, (16, n256 - 64, 8, 8), "pallas")):
+    q_off = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    k_off = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    assert mosaic_impl.backward_kind(q_off, k_off, *plain) == chosen, (H, B, T, N, K)
   mqa_q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)   # MQA 16/1 16K causal:
   mqa_k = jax.ShapeDtypeStruct((1, 16384, 1, 128), jnp.bfloat16)    # 128 programs x 4
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
@@ -183,7 +195,7 @@ def test_backward_choice_and_validation():
   with pytest.raises(ValueError, match="backward_fused_dq=True needs backward_block_n=64"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
   # A combination that overflows shared memory is refused before it is compiled.
-  for H in mb.HEAD_DIMS:
+  for H in mf.TABLE_HEAD_DIMS:
     for consumers in (1, 2):
       for fused_dq in (False, True):
         config = mb.BackwardConfig(consumers=consumers, fused_dq=fused_dq)
@@ -234,7 +246,7 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
   """At head_dim 256 dK and dV of a consumer's 64 keys would take 256 registers: the
   dK/dV kernel's two consumers hold one each (`by_role`), so one warpgroup, fused dQ,
   and a group split (two float32 tiles of 64 x 256) are refused."""
-  assert [mb.by_role(H) for H in mb.HEAD_DIMS] == [False, False, True]
+  assert [mb.by_role(H) for H in (64, 96, 128, 160, 192, 256)] == [False] * 3 + [True] * 3
   q, k, v = random_qkv((1, 16, 16, 2, 1, 256), jnp.bfloat16)[:3]
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
   for fields, why in ((dict(backward_consumers=1), "consumers=1"),
@@ -276,11 +288,31 @@ def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
   return lowered.as_text()
 
 
-@pytest.mark.parametrize("H", mb.HEAD_DIMS)
+@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_to_mosaic_gpu(H, causal):
   config = mb.BackwardConfig(consumers=2) if mb.by_role(H) else None
   assert _lowered(H, MaskOptions(is_causal=causal), config=config).count("@mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("H", [32, 80, 96, 160, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_off_table_head_dims(H, causal):
+  """Head dims between the table's (each swizzle width, both sides of `by_role`), at
+  the adapter's config, down to the matrix-product instructions of both kernels."""
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal)
+  text = _lowered(H, MaskOptions(is_causal=causal), config=config)
+  assert text.count("@mosaic_gpu") == 2 and "wgmma" in text
+
+
+@pytest.mark.parametrize("H, fields", [(80, dict(fused_dq=True)), (96, dict(group_splits=2)),
+                                       (80, dict(dkv_rows_in_registers=True))])
+def test_lowers_off_table_head_dims_with_float32_tiles(H, fields):
+  """The float32 tiles (fused dQ's, the group split's partial sums) in their own
+  swizzle (80 x 4 bytes fill 64-byte rows), the [64, 64] dS' tile of fused dQ in the
+  head dim's, beside K in its product; K and V from registers."""
+  config = mb.BackwardConfig(consumers=2, **fields)
+  assert "wgmma" in _lowered(H, MaskOptions(is_causal=True), config=config)
 
 
 @pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
@@ -297,7 +329,7 @@ def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
                                   config=mb.BackwardConfig(semantics="warpgroup"))
 
 
-@pytest.mark.parametrize("H", mb.HEAD_DIMS)
+@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 def test_lowers_warp_specialised(H):
   """Two consumer warpgroups and a producer, every mask path, both kernels."""
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
@@ -434,7 +466,7 @@ def _check_grads(got, q, k, v, do, **kw):
 
 
 @pytest.mark.parametrize("consumers,fused_dq,H", [(1, False, 64), (2, False, 64), (1, True, 64),
-                                                  (2, True, 64), (2, True, 128)])
+                                                  (2, True, 64), (2, True, 128), (2, False, 96)])
 def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
@@ -442,7 +474,7 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
   the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed.
   fused_dq: dQ added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64
-  and 128)."""
+  and 128). H = 96: a head dim off the table."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, H), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)

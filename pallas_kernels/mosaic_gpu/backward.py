@@ -34,7 +34,7 @@ does not run:
   first, `query_block_order`), looping over the visited key tiles: S = Q K^T and
   dP = dO V^T issued back to back, then dQ += dS' K.
 
-At head_dim 256 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
+Above head_dim 128 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
 the work by output, S^T and dK on one, dP^T and dV on the other, P^T and dP^T passing
 between them through shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup
 there.
@@ -62,19 +62,21 @@ from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
-                                               TMA_ROWS, MosaicConfig, _load_vector, _plgpu,
+                                               MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
-                                               compiler_params, item_schedule, pad_axis)
+                                               compiler_params, item_schedule, pad_axis,
+                                               smem_layout)
 
-HEAD_DIMS = (64, 128, 256)
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
 
 
 def by_role(head_dim: int) -> bool:
-  """Whether the dK/dV kernel splits its work by output (`_dkv_by_role`): at d = 256
-  a consumer's dK and dV of 64 keys would take 2 x 64 x 256 float32 / 128 threads = 256
-  registers, more than a thread has, so one consumer holds dK and the other dV of the
-  same keys; the dQ kernel (dQ alone takes 128) runs one warpgroup there."""
+  """Whether the dK/dV kernel splits its work by output (`_dkv_by_role`): above d = 128
+  a consumer's dK and dV of 64 keys would take 2 x 64 x d float32 / 128 threads = d
+  registers (256 at d = 256, more than a thread has), so one consumer holds dK and the
+  other dV of the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup
+  there. The head dims between 128 and 256 take d = 256's way, as they take its tiles
+  in the forward (`forward.table_head_dim`)."""
   return head_dim > 128
 
 
@@ -103,7 +105,7 @@ class BackwardConfig:
     tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
     through `stages` slots (FlashAttention-3's warp specialisation), the consumers at
     CONSUMER_REGISTERS. Both correct on the H200; two the faster (`call_config`). At
-    head_dim 256 only two: they share the program's 64 keys by role (`by_role`).
+    head dims above 128 only two: they share the program's 64 keys by role (`by_role`).
   fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
     tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
     product there, and the copy engine adds it to a float32 dQ in global memory (bulk
@@ -337,7 +339,7 @@ def group_split_error(group: int, splits: int) -> str | None:
 
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
-  check_head_dim_and_dtype(q, HEAD_DIMS, "backward")
+  check_head_dim_and_dtype(q, "backward")
   why = by_role_error(q.shape[-1], config)
   if why:
     raise NotImplementedError(why)
@@ -1148,12 +1150,11 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       x["kv_seg"] = pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])
     return Tp, Sp, x
 
-  swizzled = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 64)),
-                              plgpu.SwizzleTransform(128)))
-  # float32 tiles on their way to global memory: 32 columns make the swizzle's 128-byte
-  # rows, as 64 do at 2 bytes
-  swizzled32 = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 32)),
-                                plgpu.SwizzleTransform(128)))
+  # Every input-dtype tile in the head dim's swizzle, the [64, 64] ones passed between
+  # consumers too (they enter products beside Q, K, V or dO); float32 tiles by their own
+  # rows.
+  swizzled = smem_layout(H, q.dtype.itemsize)
+  f32_layout = lambda cols: smem_layout(cols, 4)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -1188,13 +1189,14 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
       scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
       scratch["p_free"] = plgpu.Barrier(num_barriers=2)
-      scratch["dp_smem"] = plgpu.SMEM((fixed_rows, stream_rows), jnp.float32, **swizzled32)
+      scratch["dp_smem"] = plgpu.SMEM((fixed_rows, stream_rows), jnp.float32,
+                                      **f32_layout(stream_rows))
       scratch["dp_ready"] = plgpu.Barrier(num_barriers=1)
       scratch["dp_free"] = plgpu.Barrier(num_barriers=1)
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
       scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
     if partials:
-      scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **swizzled32)
+      scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **f32_layout(H))
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
@@ -1212,7 +1214,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
     # float32 dQ tile for the copy engine.
     scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **swizzled32)
+    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **f32_layout(H))
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs

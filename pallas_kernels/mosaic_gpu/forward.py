@@ -43,7 +43,17 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-HEAD_DIMS = (64, 128, 256)          # multiples of the 64-element (128-byte) swizzle row
+# Head dims: multiples of HEAD_DIM_STEP up to MAX_HEAD_DIM. Q, K, V and O sit in shared
+# memory as atoms of 8 rows by one swizzle width (128, 64 or 32 bytes), the layout the
+# copy engine writes and the tensor cores read (PTX ISA, wgmma: matrix descriptors and
+# swizzling modes), and a row of head_dim elements must fill whole atoms: 16 elements at
+# 2 bytes is the narrowest (`smem_layout`). 256 is the largest N of one warpgroup product
+# (O += P V is [64, head_dim]).
+HEAD_DIM_STEP, MAX_HEAD_DIM = 16, 256
+# The head dims the config table was tuned at; another takes the entry of the next one
+# up (`table_head_dim`), whose registers and shared memory it needs at most.
+TABLE_HEAD_DIMS = (64, 128, 256)
+SWIZZLES = (128, 64, 32)            # bytes per row of a swizzle atom, widest first
 DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
@@ -156,7 +166,9 @@ def launch_registers(consumers: int) -> int:
 #   block scheduler over a heaviest-first grid balanced them better than the static
 #   split of the persistent grid at 16K d128 (1.04x against 0.97x) and with the d = 64
 #   table tiles (0.92x against 0.85x; with 64 x 128 tiles the persistent grid was the
-#   faster, 0.90x against 0.88x);
+#   faster, 0.90x against 0.88x), and still in the snake order of `item_schedule`
+#   (mosaic_fwd_causal_persistent_snake_h200.json: 16K d128 543 against 615 TF/s, 4K
+#   d64 332 against 362);
 # - key tiles of 128 at d <= 128: 64 was slower in every cell (0.71-0.89x), 192 level
 #   at best (16K d128 persistent 607 against 604 TF/s) and slower elsewhere; 64 at
 #   d = 256, where a 128-row K and V slot pair alone would take 128 KiB of the 227 KiB;
@@ -187,13 +199,46 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
 THREE_CONSUMERS_MIN_SEQ = 2048
 
 
+def head_dim_error(head_dim: int, what: str = "forward") -> str | None:
+  """Why the Mosaic GPU kernel called `what` cannot run `head_dim`, or None."""
+  if head_dim % HEAD_DIM_STEP or not 0 < head_dim <= MAX_HEAD_DIM:
+    return (f"the Mosaic GPU {what} supports head_dim a multiple of {HEAD_DIM_STEP} up to "
+            f"{MAX_HEAD_DIM}, got {head_dim}")
+  return None
+
+
+def table_head_dim(head_dim: int) -> int:
+  """The tuned head dim whose table entry `head_dim` takes: the next one up."""
+  why = head_dim_error(head_dim)
+  if why:
+    raise NotImplementedError(why)
+  return next(d for d in TABLE_HEAD_DIMS if d >= head_dim)
+
+
+def swizzle_bytes(cols: int, itemsize: int) -> int:
+  """The widest swizzle whose rows a row of `cols` elements fills whole (`SWIZZLES`)."""
+  row = cols * itemsize
+  for swizzle in SWIZZLES:
+    if row % swizzle == 0:
+      return swizzle
+  raise NotImplementedError(f"rows of {cols} x {itemsize} bytes fill no swizzle of {SWIZZLES}")
+
+
+def smem_layout(cols: int, itemsize: int) -> dict:
+  """The transforms of a shared-memory tile whose rows hold `cols` elements: tiles of
+  TMA_ROWS rows by one swizzle row (`swizzle_bytes`). The two shared-memory operands of
+  one warpgroup product must share the swizzle, so every tile a product reads beside
+  Q, K, V or dO takes the head dim's (a [64, 64] tile fits any of them)."""
+  plgpu = _plgpu()
+  swizzle = swizzle_bytes(cols, itemsize)
+  return dict(transforms=(plgpu.TilingTransform((TMA_ROWS, swizzle // itemsize)),
+                          plgpu.SwizzleTransform(swizzle)))
+
+
 def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
-  """The table's config for (head_dim, causal), with two consumers in place of three
-  when the query length `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
-  if head_dim not in HEAD_DIMS:
-    raise NotImplementedError(
-        f"the Mosaic GPU forward supports head_dim in {HEAD_DIMS}, got {head_dim}")
-  config = _TABLE[head_dim, bool(causal)]
+  """The table's config for (head_dim, causal) (`table_head_dim`), with two consumers
+  in place of three when the query length `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
+  config = _TABLE[table_head_dim(head_dim), bool(causal)]
   if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
     return config.with_consumers(2)
   return config
@@ -212,19 +257,19 @@ def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
   return q + kv + config.consumers * config.block_q * 4 + SMEM_SLACK
 
 
-def check_head_dim_and_dtype(q, head_dims, what: str):
-  """NotImplementedError naming a head_dim outside `head_dims` or a dtype other than
-  bf16/fp16, for the kernel called `what`."""
-  H = q.shape[-1]
-  if H not in head_dims:
-    raise NotImplementedError(f"the Mosaic GPU {what} supports head_dim in {head_dims}, got {H}")
+def check_head_dim_and_dtype(q, what: str):
+  """NotImplementedError naming a head_dim the kernel called `what` cannot run
+  (`head_dim_error`) or a dtype other than bf16/fp16."""
+  why = head_dim_error(q.shape[-1], what)
+  if why:
+    raise NotImplementedError(why)
   if not any(q.dtype == d for d in DTYPES):
     raise NotImplementedError(
         f"the Mosaic GPU {what} supports bfloat16 and float16, got {q.dtype}")
 
 
-# Rows of the shared-memory tiling (8 x 64 elements, one 128-byte swizzle atom per 8
-# rows) that Mosaic GPU lays a tensor map's box over: the map's row count must be a
+# Rows of the shared-memory tiling (one swizzle atom per 8 rows, `smem_layout`) that
+# Mosaic GPU lays a tensor map's box over: the map's row count must be a
 # multiple of it.
 TMA_ROWS = 8
 
@@ -247,7 +292,7 @@ def check_shared_memory(config, head_dim: int, need: int):
 
 def check_supported(q, k, v, config: MosaicConfig):
   """Raises NotImplementedError naming what this kernel cannot run (shapes, dtypes)."""
-  check_head_dim_and_dtype(q, HEAD_DIMS, "forward")
+  check_head_dim_and_dtype(q, "forward")
   if config.consumers == 3:
     # A launch of four warpgroups has 128 registers per thread, and ptxas held the
     # consumers' matrix products to that although setmaxnreg raises them to 160: at
@@ -673,8 +718,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
-  swizzled = dict(transforms=(plgpu.TilingTransform((TMA_ROWS, 64)),
-                              plgpu.SwizzleTransform(128)))
+  swizzled = smem_layout(H, q.dtype.itemsize)
   scratch = dict(
       qo_smem=plgpu.SMEM((C, bq, H), q.dtype, **swizzled),
       k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
