@@ -558,6 +558,7 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("GQA 16/4 4K d256", 2, 4096, 16, 4, 256),
     ("GQA 32/8 8K d128", 1, 8192, 32, 8, 128),
     ("MQA 16/1 16K d128", 1, 16384, 16, 1, 128),
+    ("3000 d128 tails", 4, 3000, 16, 16, 128),   # tails read in place (not whole tiles)
     ("4K d96", 4, 4096, 16, 16, 96),      # off the table (`forward.table_head_dim`)
     ("4K d80", 4, 4096, 16, 16, 80),
     ("4K d192", 4, 4096, 8, 8, 192),

@@ -132,9 +132,9 @@ class MosaicGPUConfig(BackendConfig):
       8; the producer warpgroup keeps the rest of the launch's pool).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
-      `jflash.mosaic_impl.MHA_MIN_SEQ` rows of whole tiles (`MHA_PERSISTENT_MIN_SEQ`
+      `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
       without a causal mask), and above 128 from
-      `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows of whole tiles, unless a causal dK/dV
+      `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows, unless a causal dK/dV
       grid stays small, where it measured faster on the H200, else the Triton one (the
       rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward

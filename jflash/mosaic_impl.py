@@ -118,15 +118,15 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     mosaic_backward_consumers_regs240_h200.json);
   - one key head per query head, with the default backward fields (the config that was
     timed, or the same on the launched grids), query and key lengths from MHA_MIN_SEQ
-    (MHA_PERSISTENT_MIN_SEQ where the config runs the persistent grids) and whole
-    tiles of the program's
-    128 rows: the Mosaic GPU backward (16K d128 527.5 against 464.7, causal 505.5
-    against 467.7, mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in
-    shared memory; in registers, the default since, 1.009x and 1.027x that,
-    ab_dq_rows_in_registers_h200.json); shorter, the Triton backward; off
-    the tiles too, since the Mosaic GPU backward pads its inputs in HBM (T = S = 3000
-    causal ran 299.8 TF/s with it, bench_model_h200.json, where the Triton backward
-    had run 335 the run before);
+    (MHA_PERSISTENT_MIN_SEQ where the config runs the persistent grids): the Mosaic
+    GPU backward (16K d128 527.5 against 464.7, causal 505.5 against 467.7,
+    mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in shared memory; in
+    registers, the default since, 1.009x and 1.027x that,
+    ab_dq_rows_in_registers_h200.json), off whole tiles too, whose tails it reads in
+    place (T = S = 3000, batch 4, 16 heads: 479.6 against 423.9, causal 406.3 against
+    365.3, mosaic_bwd_tails_time_h200.json; padded in HBM it had run 299.8 causal
+    where the Triton backward ran 335, bench_model_h200.json); shorter, the Triton
+    backward;
   - either way not when the call is causal and its dK/dV grid, with the config's
     group split, still has fewer than the kernel's CAUSAL_MIN_PROGRAMS programs: a
     causal program's work grows with its key tile's distance from the end, and one
@@ -136,8 +136,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   - not when the caller's backward fields make a config the kernels cannot run for
     the call (shared memory, a group split that does not divide the group).
   - head_dim 256 (split by role: the only config the kernels run there): the Mosaic GPU
-    backward from BY_ROLE_MIN_SEQ query and key rows of whole tiles (the timed calls,
-    MHA and GQA), unless a causal grid stays small as above (4K 417.8 against 324.0,
+    backward from BY_ROLE_MIN_SEQ query and key rows (the timed calls, MHA and GQA, on
+    whole tiles; tails are read in place as above), unless a causal grid stays small as above (4K 417.8 against 324.0,
     causal 359.1 against 291.1, mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
@@ -162,17 +162,15 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     return "pallas"
   filled = (not masks.is_causal
             or _bwd.dkv_programs(B, K, S, H, config) >= _bwd.CAUSAL_MIN_PROGRAMS)
-  rows = _bwd.dkv_keys(H, config)
-  whole = T % rows == 0 and S % rows == 0      # no padding in HBM
-  if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ, whole tiles
-    return "mosaic_gpu" if filled and whole and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
-  # one key head per query head: only the timed config, on whole tiles
-  # The timed configs: the default, and the default on the launched grids (timed from
-  # MHA_MIN_SEQ rows; the persistent grids from MHA_PERSISTENT_MIN_SEQ).
+  if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ
+    return "mosaic_gpu" if filled and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
+  # one key head per query head: only the timed configs, the default and the default
+  # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from
+  # MHA_PERSISTENT_MIN_SEQ).
   default = backward_config(q, k, cfg, masks, own_fields=False)
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
   timed_mha = (config in (default, dataclasses.replace(default, persistent=False))
-               and min(T, S) >= min_seq and whole)
+               and min(T, S) >= min_seq)
   return ("mosaic_gpu" if _fwd.table_head_dim(H) == 128 and (grouped or timed_mha) and filled
           else "pallas")
 

@@ -75,8 +75,9 @@ def test_backward_choice_and_validation():
   wide = jax.ShapeDtypeStruct((32, n, 1, 128), jnp.bfloat16)      # a full causal grid
   assert mosaic_impl.backward_kind(wide, wide, *causal) == "mosaic_gpu"
   assert mosaic_impl.backward_kind(wide, wide, *causal_persistent) == "pallas"
-  ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # padded in HBM
-  assert mosaic_impl.backward_kind(ragged, mha, *jflash.prepare(q128, q128, q128)) == "pallas"
+  ragged = jax.ShapeDtypeStruct((1, n + 1, 1, 128), jnp.bfloat16)   # tails in place
+  assert mosaic_impl.backward_kind(ragged, mha, *jflash.prepare(q128, q128, q128)) == \
+      "mosaic_gpu"
   for untimed in (dict(backward_consumers=1), dict(backward_fused_dq=True),
                   dict(backward_block_n=128)):   # "auto" takes only the timed MHA config
     own = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(**untimed))
@@ -97,11 +98,11 @@ def test_backward_choice_and_validation():
     assert mosaic_impl.backward_config(big_q, big_k, *cfg).group_splits == splits
     assert mosaic_impl.backward_kind(big_q, big_k, *cfg) == chosen, programs
   # head_dim 256 (split by role, 64 keys per dK/dV program): MHA and GQA from
-  # BY_ROLE_MIN_SEQ rows of whole tiles, unless a causal grid stays small
+  # BY_ROLE_MIN_SEQ rows, unless a causal grid stays small
   n256 = mosaic_impl.BY_ROLE_MIN_SEQ
   for shape, causal, chosen in (((16, n256, 8, 8), False, "mosaic_gpu"),
                                 ((16, n256 - 64, 8, 8), False, "pallas"),   # shorter
-                                ((16, n256 + 8, 8, 8), False, "pallas"),    # ragged
+                                ((16, n256 + 8, 8, 8), False, "mosaic_gpu"),  # ragged
                                 ((2, 4096, 16, 4), True, "mosaic_gpu"),     # 2 x 4 x 64
                                 ((1, 4096, 16, 4), True, "pallas")):        # 256 programs
     B, T, N, K = shape
@@ -313,6 +314,21 @@ def test_lowers_off_table_head_dims_with_float32_tiles(H, fields):
   head dim's, beside K in its product; K and V from registers."""
   config = mb.BackwardConfig(consumers=2, **fields)
   assert "wgmma" in _lowered(H, MaskOptions(is_causal=True), config=config)
+
+
+@pytest.mark.parametrize("T, S, padded", [(1000, 1000, []), (200, 330, ["2x336x2x128xbf16"]),
+                                          (131, 1000, ["2x136x4x128xbf16"])])
+def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
+  """As in the forward, q, k, v and dO of lengths that are multiples of mf.TMA_ROWS
+  reach the kernels as they are (the copy engine zero-fills the rows past the end of a
+  tile and drops the gradient rows past it); others are padded to the next multiple.
+  lse2 and delta, read by plain loads, are padded to whole tiles (float32)."""
+  text = _lowered(128, MaskOptions(is_causal=True), T=T, S=S,
+                  config=mb.BackwardConfig(consumers=2))
+  results = [line.split("->")[-1] for line in text.splitlines() if "stablehlo.pad" in line]
+  assert sorted({shape for shape in re.findall(r"tensor<([^>]*bf16)>", " ".join(results))}) \
+      == padded
+  assert all("bf16" in r or "xf32>" in r for r in results), results
 
 
 @pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])

@@ -64,8 +64,8 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
                                                MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
-                                               compiler_params, item_schedule, pad_axis,
-                                               smem_layout)
+                                               compiler_params, item_schedule, map_rows,
+                                               pad_axis, smem_layout)
 
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
 
@@ -1123,7 +1123,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   k/v [B, S, K, H] (bf16/fp16), out [B, T, N, H], lse [B, N, T] in natural log, the
   output cotangent dout and optionally the lse cotangent dlse [B, N, T]. Same contract
   as pallas_kernels.backward.flash_backward for the structured masks (no dense mask,
-  bias or dropout). T and S are padded to whole tiles here and the padding dropped.
+  bias or dropout). Tails are read and written in place as in the forward (`map_rows`:
+  only lengths off the tensor maps' 8-row tiling are padded in HBM, and everything
+  under the interpreter); the per-row statistics and segment ids, read by plain loads,
+  are padded to whole tiles.
   `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`; default:
   the device's multiprocessors, 2 when interpreted)."""
   plgpu = _plgpu()
@@ -1139,16 +1142,20 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   lse2, delta = backward_statistics(lse, out, dout, dlse)      # [B, N, T] float32
 
   def padded(bq, bk):
-    """Whole tiles in memory. Padded query rows have lse2 = +inf (P = 0) and dO = 0;
-    padded keys are masked in the last key tile (never FULL) by the key length."""
+    """(Tp, Sp: whole tiles of the grid, T_map, S_map: the rows of the operands the tensor
+    maps are built over, the operands). Query rows past T, zeros from HBM padding or from
+    the copy engine, have lse2 = +inf (P = 0, read in whole tiles) and dO = 0; keys past
+    S are masked in the last key tile (never FULL) by the key length; gradient rows past
+    T or S are not stored."""
     Tp, Sp = round_up(T, bq), round_up(S, bk)
-    x = dict(q=pad_axis(q, Tp, 1), k=pad_axis(k, Sp, 1), v=pad_axis(v, Sp, 1),
-             do=pad_axis(dout, Tp, 1), lse2=pad_axis(lse2, Tp, 2, jnp.inf),
+    T_map, S_map = map_rows(T, bq, interpret), map_rows(S, bk, interpret)
+    x = dict(q=pad_axis(q, T_map, 1), k=pad_axis(k, S_map, 1), v=pad_axis(v, S_map, 1),
+             do=pad_axis(dout, T_map, 1), lse2=pad_axis(lse2, Tp, 2, jnp.inf),
              delta=pad_axis(delta, Tp, 2))
     if ops.q_segment_ids is not None:   # padded with ids that match nothing
       x["q_seg"] = pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"])
       x["kv_seg"] = pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])
-    return Tp, Sp, x
+    return Tp, Sp, T_map, S_map, x
 
   # Every input-dtype tile in the head dim's swizzle, the [64, 64] ones passed between
   # consumers too (they enter products beside Q, K, V or dO); float32 tiles by their own
@@ -1291,11 +1298,11 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows
   bq, bk = config.block_n, dkv_keys(H, config)
-  Tp, Sp, x = padded(bq, bk)
+  Tp, Sp, _, S_map, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
   grid, grid_names = (Sp // bk, K, B), ("kv", "heads", "batch")
-  kv_type = jax.ShapeDtypeStruct((B, Sp, K, H), k.dtype)
+  kv_type = jax.ShapeDtypeStruct((B, S_map, K, H), k.dtype)
   if splits > 1:
     # A key tile's programs side by side, each with float32 partial dK and dV of its
     # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis and the leading
@@ -1319,13 +1326,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   # rows (one warpgroup at the head dims split by role, whose dQ alone takes 128 registers)
   dq_consumers = 1 if roles else config.consumers
   bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
-  Tp, Sp, x = padded(bq, bk)
+  Tp, Sp, T_map, _, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   grid = (Tp // bq, N, B)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
-               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, Tp, N, H), q.dtype)],
+               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype)],
                C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]

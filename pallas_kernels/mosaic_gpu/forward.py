@@ -274,6 +274,15 @@ def check_head_dim_and_dtype(q, what: str):
 TMA_ROWS = 8
 
 
+def map_rows(n: int, tile: int, interpret: bool) -> int:
+  """The rows an operand of n rows is padded to in HBM before the kernel's tensor maps
+  are built over it: the next multiple of TMA_ROWS, for the copy engine bounds the
+  copies past it (a box's rows past the end load as zeros and are not stored; CUDA
+  programming guide, tensor memory access), or, under Mosaic GPU's interpreter, which
+  does not model those bounds (and hangs on such a copy), whole tiles of `tile` rows."""
+  return round_up(n, tile) if interpret else round_up(n, TMA_ROWS)
+
+
 def pad_axis(x, n: int, axis: int, fill=0):
   """x zero-padded (or `fill`-padded) along `axis` to length n (no copy when it has n)."""
   if x.shape[axis] == n:
@@ -695,18 +704,15 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   Sp = round_up(S, bk)
   # Tails. Q, K, V and O move as 2-D boxes of a [B, T|S, N|K, H] tensor map (Mosaic GPU
   # takes that path for every copy of a swizzled buffer, as these are), whose copies the
-  # copy engine bounds per axis: a box's rows past the end load as zeros and are not
-  # stored (CUDA programming guide, tensor memory access). Keys past S are then
-  # zeros, masked in the last tile (its class is never FULL); query rows past T are
-  # computed on zeros and dropped by the store. Mosaic GPU builds the map over the
-  # shared-memory tiling of 8 rows, so T and S must be multiples of TMA_ROWS: only other
-  # lengths are padded in HBM (a copy), up to the next multiple. The lse rows go out by a
-  # plain bulk copy, bounded only by the whole array's end (rows past T of one head
-  # would land in the next), so lse is written in whole tiles ([B, N, Tp], 4 bytes a
-  # row) and cut to T. Mosaic GPU's interpreter does not model the copy engine's bounds:
-  # there every input is padded to whole tiles.
+  # copy engine bounds per axis (`map_rows`). Keys past S are then zeros, masked in the
+  # last tile (its class is never FULL); query rows past T are computed on zeros and
+  # dropped by the store. Mosaic GPU builds the map over the shared-memory tiling of 8
+  # rows, so T and S must be multiples of TMA_ROWS: only other lengths are padded in HBM
+  # (a copy), up to the next multiple. The lse rows go out by a plain bulk copy, bounded
+  # only by the whole array's end (rows past T of one head would land in the next), so
+  # lse is written in whole tiles ([B, N, Tp], 4 bytes a row) and cut to T.
   # T_map, S_map: the lengths of the arrays the kernel's tensor maps are built over.
-  T_map, S_map = (Tp, Sp) if interpret else (round_up(T, TMA_ROWS), round_up(S, TMA_ROWS))
+  T_map, S_map = map_rows(T, rows_per_program, interpret), map_rows(S, bk, interpret)
   qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
   seg = {}
