@@ -97,6 +97,11 @@ def cases():
   kv_seg = np.zeros((1, 640), np.int32)
   out.append(("fully masked rows (segment with no key) d128", (1, 512, 640, 4, 4, 128), bf16,
               dict(segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)))))
+  # Lengths under one tile: the tensor maps (8-row multiples, read in place) are
+  # shorter than one copy's box.
+  out.append(("under one tile: gqa 8/2 d96 causal, T=S=40", (1, 40, 40, 8, 2, 96), bf16,
+              dict(is_causal=True)))
+  out.append(("under one tile: mha d128, T=16 S=72", (2, 16, 72, 4, 4, 128), bf16, {}))
   # Head dims between the table's (`forward.table_head_dim`): each swizzle width (32
   # bytes at d16, d48 and d80, 64 at d32, d96 and d160, 128 at d192) and both sides of
   # the backward's `by_role` (d160, d192).
@@ -562,6 +567,8 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("4K d96", 4, 4096, 16, 16, 96),      # off the table (`forward.table_head_dim`)
     ("4K d80", 4, 4096, 16, 16, 80),
     ("4K d192", 4, 4096, 8, 8, 192),
+    ("GQA 32/8 8K d96", 1, 8192, 32, 8, 96),  # grouped heads off the table
+    ("1K d96", 16, 1024, 16, 16, 96),         # MHA_PERSISTENT_MIN_SEQ off the table
 ]
 
 

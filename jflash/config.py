@@ -123,7 +123,7 @@ class MosaicGPUConfig(BackendConfig):
       each consumer warpgroup, in place of the ping-pong between the two (correct on
       the H200 but slower there; not in the default table).
     consumers: consumer warpgroups per program, 2 or 3 (pallas_kernels/mosaic_gpu/
-      forward.py says where three run; the default has three at head_dim 128 from
+      forward.py says where three run; the default has three at head_dim 80-128 from
       THREE_CONSUMERS_MIN_SEQ query rows); setting it drops the default's ping_pong
       and consumer_registers for the new count's own.
     ping_pong: stagger two consumers so one's softmax runs under the other's matrix

@@ -147,8 +147,11 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   (`pallas_kernels.mosaic_gpu.forward.table_head_dim`): up to 64 the Triton backward;
   80 and 96 the rule of 128 (timed with one key head per query head at 4K, batch 4,
   16 heads: d96 455.7 against 393.7, causal 379.1 against 344.2; d80 394.3 against
-  357.7, causal 339.9 against 310.3); above 128 the rule of 256 (d192, 8 heads: 398.9
-  against 372.4, causal 371.5 against 335.7; mosaic_off_table_bwd_time_h200.json)."""
+  357.7, causal 339.9 against 310.3; mosaic_off_table_bwd_time_h200.json; grouped,
+  GQA 32/8 8K d96 467.4 against 372.5, causal 460.7 against 380.4, and 1K d96 380.5
+  against 335.2, causal 244.3 against 238.4 where the rule keeps the Triton one;
+  mosaic_off_table_rule_time_h200.json); above 128 the rule of 256 (d192, 8 heads:
+  398.9 against 372.4, causal 371.5 against 335.7)."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward

@@ -42,8 +42,9 @@ there.
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
-operands and no layout casts; loads, barriers, schedule, masks and tails are the
-kernel's own (with `fused_dq`, the reduce-add is a read-modify-write there, `add_dq`).
+operands and no layout casts; loads, barriers, schedule and masks are the kernel's own
+(with `fused_dq`, the reduce-add is a read-modify-write there, `add_dq`), but tails are
+padded to whole tiles (`map_rows`): reading them in place runs on the GPU only.
 """
 from __future__ import annotations
 
@@ -64,20 +65,22 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
                                                MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
-                                               compiler_params, item_schedule, map_rows,
-                                               pad_axis, smem_layout)
+                                               compiler_params, item_coords, item_schedule,
+                                               map_rows, pad_axis, smem_layout,
+                                               table_head_dim)
 
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
 
 
 def by_role(head_dim: int) -> bool:
-  """Whether the dK/dV kernel splits its work by output (`_dkv_by_role`): above d = 128
-  a consumer's dK and dV of 64 keys would take 2 x 64 x d float32 / 128 threads = d
-  registers (256 at d = 256, more than a thread has), so one consumer holds dK and the
-  other dV of the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup
-  there. The head dims between 128 and 256 take d = 256's way, as they take its tiles
-  in the forward (`forward.table_head_dim`)."""
-  return head_dim > 128
+  """Whether the dK/dV kernel splits its work by output (`_dkv_by_role`): at the head
+  dims that take d = 256's tiles (`forward.table_head_dim`: above 128) a consumer's
+  dK and dV of 64 keys would take 2 x 64 x d float32 / 128 threads = d registers (256
+  at d = 256, more than a thread has), so one consumer holds dK and the other dV of
+  the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup there (at
+  d = 256 two consumers' Q and dO beside two K/V slots exceed shared memory; up to
+  d = 224 two would fit, untimed)."""
+  return table_head_dim(head_dim) == 256
 
 
 # Registers per consumer thread of the warp-specialised kernels after setmaxnreg:
@@ -136,7 +139,7 @@ class BackwardConfig:
     consumer already spills (correct on the H200, not timed).
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
-    head and batch) that would each have been a program (`_item_coords` says in which
+    head and batch) that would each have been a program (`item_coords` says in which
     order), so that the producer's loads of the next item's streamed tiles overlap
     this item's last products and its stores, and no partial last wave is launched
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
@@ -672,23 +675,6 @@ def _run_persistent(persistent, pipe, item_of, produce, consume, snake):
   _warp_specialised(lax.axis_index("wg"), 2, produce_all, consume_all)
 
 
-def _item_coords(w, sizes, causal: bool):
-  """The grid coordinates of work item w of a persistent program over a grid of
-  `sizes` (tiles, then heads, ..., batch). Without a causal mask the tiles are the
-  fastest axis: programs running at once read the same head's streamed tiles (shared
-  through L2). With one, items differ in cost (a key tile's work falls with its index,
-  a query block's rises), so the tiles are the slowest axis and taken heaviest first
-  (key tiles ascending, query blocks through `query_block_order`), for
-  `item_schedule`'s snake rounds to balance, as in the forward's persistent grid."""
-  order = list(range(1, len(sizes))) + [0] if causal else list(range(len(sizes)))
-  coords = [None] * len(sizes)
-  for axis in order[:-1]:
-    coords[axis] = lax.rem(w, jnp.int32(sizes[axis]))
-    w = lax.div(w, jnp.int32(sizes[axis]))
-  coords[order[-1]] = w
-  return tuple(coords)
-
-
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False, rows_in_registers=False,
                 persistent=None):
@@ -754,7 +740,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   sizes = persistent[2]
 
   def item_of(w):
-    coords = _item_coords(w, sizes, opts.is_causal)
+    coords = item_coords(w, sizes, opts.is_causal)
     if group_splits == 1:       # the grid (key tiles, key heads, batch)
       j, kv_head, b = coords
       return item_at(j, kv_head, None, b)
@@ -1036,7 +1022,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   sizes = persistent[2]
 
   def item_of(w):
-    q, n, b = _item_coords(w, sizes, opts.is_causal)
+    q, n, b = item_coords(w, sizes, opts.is_causal)
     return item_at(block_of(q), n, b)
 
   _run_persistent(persistent, slots, item_of,
@@ -1323,7 +1309,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
   # -- dQ: consumers x ROWS query rows per program, key tiles of dq_block_n (or block_n)
-  # rows (one warpgroup at the head dims split by role, whose dQ alone takes 128 registers)
+  # rows (one warpgroup at the head dims split by role, whose dQ alone takes d / 2
+  # registers: 128 at d = 256)
   dq_consumers = 1 if roles else config.consumers
   bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
   Tp, Sp, T_map, _, x = padded(bq, bk)

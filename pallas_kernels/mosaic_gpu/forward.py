@@ -245,7 +245,7 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
 
 
 # Shared memory beside the tiles: the mbarriers (8 bytes each) and the alignment of
-# each swizzled buffer to its 1024-byte swizzle atom.
+# each swizzled buffer to its swizzle atom (1024 bytes at the widest swizzle).
 SMEM_SLACK = 1024
 
 
@@ -341,11 +341,11 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
   of num_ctas programs (the forward's and both backward kernels'; num_ctas <=
   num_items, so steps >= 1) and its k-th item: round k of num_ctas items gives it item
   k * num_ctas + cta. `snake`: odd rounds go backwards (item k * num_ctas + num_ctas -
-  1 - cta). With items in falling cost (a causal grid's: the forward's `coords_of`,
-  the backward's `_item_coords`) the plain order hands program 0 the heaviest item of
-  every round, and the programs' sums drift apart round by round: in the backward on
-  132 multiprocessors the busiest program has 6% more work than the mean at 16K d128
-  causal, 12% at 4 x 4K with 8 heads, and the kernel ends with it. The snake order
+  1 - cta). With items in falling cost (a causal grid's, `item_coords`) the plain
+  order hands program 0 the heaviest item of every round, and the programs' sums drift
+  apart round by round: in the backward on 132 multiprocessors the busiest program has
+  6% more work than the mean at 16K d128 causal, 12% at 4 x 4K with 8 heads, and the
+  kernel ends with it. The snake order
   pairs each round's heavier half with the next round's lighter half: within 0.3% of
   the mean in both."""
   rounds, rest = divmod(num_items, num_ctas)
@@ -354,6 +354,25 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
   backwards = lambda k: lax.rem(k, jnp.int32(2)) == 1
   item = lambda k: k * num_ctas + jnp.where(backwards(k), num_ctas - 1 - cta, cta)
   return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
+
+
+def item_coords(w, sizes, causal: bool):
+  """The grid coordinates of work item w of a persistent program (the forward's and
+  both backward kernels') over a grid of `sizes` (tiles, then heads, ..., batch).
+  Without a causal mask the tiles are the fastest axis: programs running at once read
+  the same head's streamed tiles (shared through L2). With one, items differ in cost
+  (a key tile's work falls with its index, a query block's rises), so the tiles are
+  the slowest axis, taken heaviest first (key tiles ascending, query blocks through
+  `query_block_order`), and `item_schedule`'s snake rounds balance the programs: with
+  the tiles fastest one program would take the heaviest tile of every head and another
+  the lightest."""
+  order = list(range(1, len(sizes))) + [0] if causal else list(range(len(sizes)))
+  coords = [None] * len(sizes)
+  for axis in order[:-1]:
+    coords[axis] = lax.rem(w, jnp.int32(sizes[axis]))
+    w = lax.div(w, jnp.int32(sizes[axis]))
+  coords[order[-1]] = w
+  return tuple(coords)
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
@@ -390,21 +409,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     # persistent: this program's items from `item_schedule`
     steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas,
                                       snake=opts.is_causal)
-    heads_batch = num_items // num_q_blocks
+    sizes = (num_q_blocks, num_heads, num_items // (num_q_blocks * num_heads))
 
     def coords_of(w):
-      if opts.is_causal:
-        # (head, batch) fastest, query blocks from the heaviest, in snake rounds
-        # (`item_schedule`): every program gets about the same work, the
-        # static form of longest-processing-time-first. With query blocks fastest one
-        # program would take the heaviest block of every head and another the lightest.
-        level, head_batch = lax.div(w, jnp.int32(heads_batch)), lax.rem(w, jnp.int32(heads_batch))
-      else:
-        # Query blocks fastest: programs running at once read the same head's K and V
-        # (shared through L2).
-        level, head_batch = lax.rem(w, jnp.int32(num_q_blocks)), lax.div(w, jnp.int32(num_q_blocks))
-      return (block_of(level), lax.rem(head_batch, jnp.int32(num_heads)),
-              lax.div(head_batch, jnp.int32(num_heads)))
+      level, head, batch = item_coords(w, sizes, opts.is_causal)
+      return block_of(level), head, batch
 
     first = item(coords_of(item_index(jnp.int32(0))), None)
     return lax.fori_loop(1, steps, lambda t, tiles: item(coords_of(item_index(t)), tiles),
