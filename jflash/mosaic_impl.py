@@ -137,8 +137,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     the call (shared memory, a group split that does not divide the group).
   - head_dim 256 (split by role: the only config the kernels run there): the Mosaic GPU
     backward from BY_ROLE_MIN_SEQ query and key rows (the timed calls, MHA and GQA, on
-    whole tiles; tails are read in place as above), unless a causal grid stays small as above (4K 417.8 against 324.0,
-    causal 359.1 against 291.1, mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
+    whole tiles; tails are read in place as above), unless a causal grid stays small
+    as above (4K 417.8 against 324.0, causal 359.1 against 291.1,
+    mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
   head_dim 64 (two consumers 330.8 against 377.3 at 4K at 240 registers, query tiles

@@ -345,9 +345,8 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
   order hands program 0 the heaviest item of every round, and the programs' sums drift
   apart round by round: in the backward on 132 multiprocessors the busiest program has
   6% more work than the mean at 16K d128 causal, 12% at 4 x 4K with 8 heads, and the
-  kernel ends with it. The snake order
-  pairs each round's heavier half with the next round's lighter half: within 0.3% of
-  the mean in both."""
+  kernel ends with it. The snake order pairs each round's heavier half with the next
+  round's lighter half: within 0.3% of the mean in both."""
   rounds, rest = divmod(num_items, num_ctas)
   if not snake:
     return rounds + (cta < rest).astype(jnp.int32), lambda k: k * num_ctas + cta
@@ -376,7 +375,7 @@ def item_coords(w, sizes, causal: bool):
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
-            num_q_blocks, num_heads, num_items, num_ctas, dtype, interpret, pv_in_place):
+            items_grid, num_ctas, dtype, interpret, pv_in_place):
   plgpu = _plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -396,6 +395,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     cast = plgpu.layout_cast
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
+  num_q_blocks = items_grid[0]     # the launched grid: (query blocks, heads, batch)
   block_of = query_block_order(num_q_blocks, opts)
 
   def for_each_item(item):
@@ -407,12 +407,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None)
     # persistent: this program's items from `item_schedule`
-    steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas,
-                                      snake=opts.is_causal)
-    sizes = (num_q_blocks, num_heads, num_items // (num_q_blocks * num_heads))
+    steps, item_index = item_schedule(lax.axis_index("sm"), math.prod(items_grid),
+                                      num_ctas, snake=opts.is_causal)
 
     def coords_of(w):
-      level, head, batch = item_coords(w, sizes, opts.is_causal)
+      level, head, batch = item_coords(w, items_grid, opts.is_causal)
       return block_of(level), head, batch
 
     first = item(coords_of(item_index(jnp.int32(0))), None)
@@ -747,18 +746,18 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       schedule=plgpu.Barrier(num_arrivals=2),        # the ping-pong pair (unused otherwise)
   )
   names = [*in_names, "out", "lse", *scratch]
-  num_items = num_q_blocks * N * B
-  grid, grid_names, num_ctas = (num_q_blocks, N, B), ("q", "heads", "batch"), None
+  items_grid = (num_q_blocks, N, B)
+  grid, grid_names, num_ctas = items_grid, ("q", "heads", "batch"), None
   if config.persistent:
     if num_sms is None:
       num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
     if num_sms is None:
       raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
-    num_ctas = min(num_sms, num_items)
+    num_ctas = min(num_sms, math.prod(items_grid))
     grid, grid_names = (num_ctas,), ("sm",)
   kernel = functools.partial(
       _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
-      num_q_blocks=num_q_blocks, num_heads=N, num_items=num_items, num_ctas=num_ctas,
+      items_grid=items_grid, num_ctas=num_ctas,
       dtype=q.dtype, interpret=interpret, pv_in_place=config.pv_in_place and not interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
