@@ -4,7 +4,8 @@ A "not slower" check between two benchmark runs mixes a kernel change with the s
 of the runs (clocks, the machine lent). Here the `jflash` and `pallas_kernels` packages
 of another tree (e.g. `git worktree add /tmp/base <commit>`) and this tree's are
 imported side by side and `jflash.attention(..., implementation=...)` of each is timed
-on the same cells in alternating rounds, so both see the same machine at the same time.
+on the same cells in alternating rounds (`common.time_alternating`), so both see the same
+machine at the same time.
 TF/s (FLOPs as in the benchmark), the median of the rounds.
 
   python -m experiments.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
@@ -17,7 +18,6 @@ import argparse
 import contextlib
 import functools
 import importlib
-import statistics
 import sys
 from pathlib import Path
 
@@ -123,9 +123,11 @@ def main(argv=None):
                  help="comma-separated substrings of cell names (default: the FA-2 quick "
                       f"cells); the cells: {', '.join(CELLS)}")
   p.add_argument("--modes", default=",".join(specs.MODES))
-  p.add_argument("--rounds", type=int, default=7, help="rounds per program, alternating")
+  p.add_argument("--rounds", type=int, default=specs.ROUNDS, help="rounds per program, alternating")
   p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3,
                  help="back-to-back calls per round to fill this long")
+  p.add_argument("--warm-ms", type=float, default=specs.WARM_S * 1e3,
+                 help="sustained calls through both programs before the timed rounds")
   p.add_argument("--tiny", action="store_true", help="one tiny interpreted cell (tests)")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT))
   p.add_argument("--name", default=f"ab_kernels_{common.device_tag()}")
@@ -143,16 +145,13 @@ def main(argv=None):
     for mode in modes:
       fns = {label: programs(loaded[label], case, mode, inputs, implementation)
              for label in trees}
-      seconds = {label: [] for label in fns}
-      # Alternating which goes first; each round starts with one untimed call.
-      for r in range(args.rounds):
-        for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-          seconds[label].append(common.time_calls(
-              fns[label], (inputs,), rounds=1, round_s=args.round_ms / 1e3)["median_s"])
+      times = common.time_alternating(
+          {label: (fn, (inputs,), common.block) for label, fn in fns.items()},
+          rounds=args.rounds, round_s=args.round_ms / 1e3, warm_s=args.warm_ms / 1e3)
       flops = case.flops(mode)
       row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds,
              "implementation": args.implementation}
-      median = {label: statistics.median(ts) for label, ts in seconds.items()}
+      median = {label: t["median_s"] for label, t in times.items()}
       for label, t in median.items():
         row[label] = round(flops / t / 1e12, 1)
         row[f"{label}_ms"] = round(t * 1e3, 4)

@@ -39,15 +39,16 @@ import jax  # noqa: E402
 
 from experiments import common  # noqa: E402
 from experiments.bench import peers as peers_mod, report, specs, sweep  # noqa: E402
-from experiments.bench.runner import Runner, memory_rows  # noqa: E402
+from experiments.bench.runner import (Runner, add_timing_args, memory_rows,  # noqa: E402
+                                      smoke_timing, timing_options, timing_text)
 
 BASELINE = common.RESULTS / "bench_attention_h200.json"  # the committed run "not slower" compares with
 TIME_LIMIT_S = 540      # grid: stay inside a 10-minute device command, JSON written
 
 
 def make_runner(args, peers) -> Runner:
-  return Runner(peers, dtype=args.dtype, rounds=args.rounds, round_s=args.round_ms / 1e3,
-                input_sets=args.input_sets, time_limit_s=args.time_limit_s)
+  return Runner(peers, dtype=args.dtype, time_limit_s=args.time_limit_s,
+                **timing_options(args))
 
 
 def jflash_impls(args) -> list[str]:
@@ -61,8 +62,7 @@ def config_record(args, **extra) -> dict:
       rel_tol=specs.REL_TOL, reference_chain=list(specs.REFERENCE_CHAIN),
       mha_blocks=specs.MHA_BLOCKS, mgpu_configs=list(specs.MGPU_CONFIGS),
       flops="4*B*N*H per (query, key) pair, S^2/2 pairs when causal, x3.5 for fwd+bwd",
-      timing=f"median of {args.rounds} rounds of back-to-back calls (>= {args.round_ms} ms each),"
-             f" {args.input_sets} rotated input sets, completion awaited once per round",
+      timing=timing_text(args),
       **report.jflash_build_info(), **extra)
   return cfg
 
@@ -210,9 +210,7 @@ def parse_args(argv=None):
   p.add_argument("--skip-memory", action="store_true", help="no compiled-memory table")
   p.add_argument("--baseline", default=str(BASELINE),
                  help="earlier result JSON that the 'not slower' targets compare with")
-  p.add_argument("--rounds", type=int, default=specs.ROUNDS)
-  p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3)
-  p.add_argument("--input-sets", type=int, default=specs.N_INPUT_SETS)
+  add_timing_args(p)
   p.add_argument("--sweep-passes", type=lambda x: tuple(x.split(",")), default=specs.SWEEP_PASSES,
                  help="block sweep: which kernels, comma-separated from fwd,dkv,dq")
   p.add_argument("--sweep-budget-s", type=float, default=specs.SWEEP_BUDGET_S,
@@ -222,7 +220,7 @@ def parse_args(argv=None):
                       "(the JSON is still written)")
   args = p.parse_args(argv)
   if args.cpu_smoke:
-    args.rounds, args.round_ms, args.input_sets = 2, 1.0, 2  # machinery, not numbers
+    smoke_timing(args)
     args.sweep_budget_s = min(args.sweep_budget_s, 60)
   return args
 

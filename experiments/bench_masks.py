@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.bench import report, specs  # noqa: E402
 from experiments.bench.peers import Peer, jflash_call, jflash_peer, select  # noqa: E402
-from experiments.bench.runner import Runner  # noqa: E402
+from experiments.bench.runner import (Runner, add_timing_args, smoke_timing,  # noqa: E402
+                                      timing_options, timing_text)
 from experiments.bench.specs import Case  # noqa: E402
 
 TOKENS = 16384          # batch * seq held constant, as bench_attention's grid
@@ -214,8 +215,7 @@ def config_record(args) -> dict:
       rel_tol=specs.REL_TOL, reference_chain=list(specs.REFERENCE_CHAIN),
       flops="4*B*N*d*(visible query-key pairs), x3.5 for fwd+bwd",
       window="causal, (W, 0) in jax.nn semantics: query i sees keys i-W..i",
-      timing=f"median of {args.rounds} rounds of back-to-back calls (>= {args.round_ms} ms each),"
-             f" {args.input_sets} rotated input sets, completion awaited once per round",
+      timing=timing_text(args),
   )
   return cfg
 
@@ -236,14 +236,12 @@ def parse_args(argv=None):
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--xla-max-seq", type=int, default=XLA_MAX_SEQ,
                  help="longest seq timed for the materialising XLA baseline")
-  p.add_argument("--rounds", type=int, default=specs.ROUNDS)
-  p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3)
-  p.add_argument("--input-sets", type=int, default=specs.N_INPUT_SETS)
+  add_timing_args(p)
   p.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S,
                  help="calls not started by then are skipped (the JSON is still written)")
   args = p.parse_args(argv)
   if args.cpu_smoke:
-    args.rounds, args.round_ms, args.input_sets = 2, 1.0, 2  # machinery, not numbers
+    smoke_timing(args)
   return args
 
 
@@ -269,8 +267,8 @@ def main(argv=None):
       info["doc_lengths"] = [np.bincount(row).tolist() for row in segment_ids(c)]
     case_info.append(info)
 
-  runner = Runner(peers, dtype=args.dtype, rounds=args.rounds, round_s=args.round_ms / 1e3,
-                  input_sets=args.input_sets, time_limit_s=args.time_limit_s)
+  runner = Runner(peers, dtype=args.dtype, time_limit_s=args.time_limit_s,
+                  **timing_options(args))
   rows = []
   for case in cases:
     for row in runner.run_case(case, labels, modes):

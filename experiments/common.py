@@ -120,33 +120,78 @@ def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, mode: s
 
 # -- timing --------------------------------------------------------------------------
 
-def time_calls(fn, sets=((),), *, rounds: int = 5, round_s: float = 0.0, warmup: int = 1,
-               budget_s: float | None = None, sync=block) -> dict:
-  """Seconds per call of an already compiled `fn`: `warmup` calls (the last one timed as
-  an estimate), then `rounds` rounds of back-to-back calls over the rotated argument
-  tuples `sets` (so no call finds the previous call's inputs in cache), completion
-  awaited once per round: one stream runs in order, so the last call done means all are.
-  A round holds as many calls as fit in `round_s` (at least 1, at most 500) so that
-  launch gaps do not count; with `budget_s`, slow calls get fewer rounds (at least 1)."""
+def _calls_for(fn, sets, warmup: int, round_s: float, sync) -> tuple[int, float]:
+  """`warmup` calls, the last one timed as an estimate: (how many back-to-back calls
+  fill `round_s`, at least 1 and at most 500 so that launch gaps do not count; the
+  estimate in seconds)."""
   n = len(sets)
   one = 0.0
   for i in range(max(1, warmup)):
     t = time.perf_counter()
     sync(fn(*sets[(i + 1) % n]))
     one = time.perf_counter() - t
-  calls = int(min(max(1, round_s / max(one, 1e-6)), 500))
+  return int(min(max(1, round_s / max(one, 1e-6)), 500)), one
+
+
+def _round(fn, sets, calls: int, sync) -> float:
+  """Seconds per call of `calls` back-to-back calls over the rotated argument tuples
+  `sets` (so no call finds the previous call's inputs in cache), completion awaited
+  once: one stream runs in order, so the last call done means all are."""
+  t = time.perf_counter()
+  for i in range(calls):
+    out = fn(*sets[i % len(sets)])
+  sync(out)
+  return (time.perf_counter() - t) / calls
+
+
+def _summary(times, calls: int) -> dict:
+  return {"median_s": statistics.median(times), "min_s": min(times), "rounds": len(times),
+          "calls_per_round": calls, "round_s": times}
+
+
+def time_calls(fn, sets=((),), *, rounds: int = 5, round_s: float = 0.0, warmup: int = 1,
+               budget_s: float | None = None, sync=block) -> dict:
+  """Seconds per call of an already compiled `fn`: the median over `rounds` rounds of
+  back-to-back calls (`_calls_for`, `_round`); with `budget_s`, slow calls get fewer
+  rounds (at least 1). Programs compared with each other are timed with
+  `time_alternating`."""
+  calls, one = _calls_for(fn, sets, warmup, round_s, sync)
   if budget_s is not None:
     rounds = max(1, min(rounds, int(budget_s / max(one * calls, 1e-9))))
-  times = []
-  for _ in range(rounds):
-    t = time.perf_counter()
-    for i in range(calls):
-      out = fn(*sets[i % n])
-    sync(out)
-    times.append((time.perf_counter() - t) / calls)
-    del out
-  return {"median_s": statistics.median(times), "min_s": min(times), "rounds": rounds,
-          "calls_per_round": calls}
+  return _summary([_round(fn, sets, calls, sync) for _ in range(rounds)], calls)
+
+
+def time_alternating(programs: dict, *, rounds: int = 7, round_s: float = 0.05,
+                     warm_s: float = 1.0, warmup: int = 2) -> dict:
+  """Seconds per call of several compiled programs compared with each other:
+  {label: (fn, sets, sync)} -> {label: time_calls' record}.
+
+  An H200 running attention back to back sits at its power limit, its SM clock set by
+  the energy drawn (1440-1980 MHz under load, 1980 idle; `gpu_clocks_*_h200.csv`):
+  after an idle stretch (a compile) a program starts at the boost clock and slows as
+  the draw reaches the cap. Timed one after another in short bursts, two programs see
+  different clocks: the same kernels moved 8% between two runs of the table while
+  cuDNN beside them moved 0-3%.
+  So every program is timed under the same sustained load: first `warm_s` seconds of
+  back-to-back calls cycling through all programs (the load a training step holds),
+  then `rounds` rounds in which each program runs its calls back to back (`round_s`
+  long), in an order rotated every round so that no program always follows the same
+  one. The median over rounds of each program is its time; the rounds are kept
+  (`round_s`) so a ratio can be read round by round too."""
+  labels = list(programs)
+  calls = {n: _calls_for(*programs[n][:2], warmup, round_s, programs[n][2])[0]
+           for n in labels}
+  t_end = time.perf_counter() + warm_s
+  while labels and time.perf_counter() < t_end:
+    for n in labels:
+      fn, sets, sync = programs[n]
+      _round(fn, sets, calls[n], sync)
+  times = {n: [] for n in labels}
+  for r in range(rounds):
+    for n in labels[r % len(labels):] + labels[:r % len(labels)]:
+      fn, sets, sync = programs[n]
+      times[n].append(_round(fn, sets, calls[n], sync))
+  return {n: _summary(times[n], calls[n]) for n in labels}
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import time
 import traceback
@@ -50,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from experiments import common
 from experiments.common import block, write_result
 from jflash.reference import error_floor, max_err
 
@@ -238,22 +237,27 @@ CELLS = [  # (name, B, S, N, H)
 ]
 
 
-def bench(fn, args, rounds, min_s=0.2):
-  """Median over `rounds` of the mean time of n back-to-back calls (n so a round takes
-  about `min_s`), after two warm-ups."""
-  for _ in range(2):
-    block(fn(*args))
-  t0 = time.perf_counter()
-  block(fn(*args))
-  n = max(1, int(min_s / max(time.perf_counter() - t0, 1e-6)))
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(n):
-      y = fn(*args)
-    block(y)
-    times.append((time.perf_counter() - t0) / n)
-  return statistics.median(times)
+def time_together(fns, args_of, flops, rounds, row, check=None):
+  """TF/s of every program of `fns` {label: jitted} into row["tflops"], timed together
+  (`common.time_alternating`: the same sustained load, alternating rounds of >= 0.2 s);
+  `args_of(label)` is its argument tuple. Each program's first call (its compile,
+  row["compile_s"]) goes to `check(label, out)`; a program that fails it is recorded
+  under row["errors"] and left out."""
+  ok = {}
+  for label, fn in fns.items():
+    try:
+      t0 = time.perf_counter()
+      out = block(fn(*args_of(label)))
+      row.setdefault("compile_s", {})[label] = round(time.perf_counter() - t0, 1)
+      if check is not None:
+        check(label, out)
+      ok[label] = (fn, (args_of(label),), block)
+    except Exception as e:
+      row["tflops"][label] = None
+      row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:1500]
+  times = common.time_alternating(ok, rounds=rounds, round_s=0.2) if ok else {}
+  for label, t in times.items():
+    row["tflops"][label] = round(flops / t["median_s"] / 1e12, 1)
 
 
 def forward_fns(causal, peers):
@@ -322,21 +326,18 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
       for label, config in configs.items():
         fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
             q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
-      ref = None
-      for impl, fn in fns.items():
-        args = (q, k, v) if "fp16" not in impl else tuple(x.astype(jnp.float16) for x in (q, k, v))
-        try:
-          if impl == "cudnn" or ((sweep or over_table) and impl.startswith(IMPL)):
-            # A sanity check of every variant timed: its output against cuDNN's.
-            out = np.asarray(fn(*args), np.float32)
-            if impl == "cudnn":
-              ref = out
-            elif ref is not None:
-              row.setdefault("max_diff_vs_cudnn", {})[impl] = float(np.abs(out - ref).max())
-          row["tflops"][impl] = round(flops / bench(fn, args, rounds) / 1e12, 1)
-        except Exception as e:
-          row["tflops"][impl] = None
-          row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
+      half = tuple(x.astype(jnp.float16) for x in (q, k, v))
+      ref = {}
+
+      def check(impl, out):
+        """A sanity check of every variant timed: its output against cuDNN's."""
+        if impl == "cudnn":
+          ref["out"] = np.asarray(out, np.float32)
+        elif (sweep or over_table) and impl.startswith(IMPL) and "out" in ref:
+          row.setdefault("max_diff_vs_cudnn", {})[impl] = float(
+              np.abs(np.asarray(out, np.float32) - ref["out"]).max())
+      time_together(fns, lambda impl: half if "fp16" in impl else (q, k, v), flops, rounds,
+                    row, check)
       t = row["tflops"]
       if t.get(IMPL) and t.get("cudnn"):
         row["ratio_vs_cudnn"] = round(t[IMPL] / t["cudnn"], 3)
@@ -605,15 +606,7 @@ def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas")
       if "cudnn" in peers:
         fns["cudnn"] = vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"))
-      for impl, fn in fns.items():
-        try:
-          t0 = time.perf_counter()
-          block(fn(q, k, v, do))
-          row.setdefault("compile_s", {})[impl] = round(time.perf_counter() - t0, 1)
-          row["tflops"][impl] = round(flops / bench(fn, (q, k, v, do), rounds) / 1e12, 1)
-        except Exception as e:
-          row["tflops"][impl] = None
-          row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:1500]
+      time_together(fns, lambda impl: (q, k, v, do), flops, rounds, row)
       t = row["tflops"]
       if t.get(first) and t.get("cudnn"):
         row["ratio_vs_cudnn"] = round(t[first] / t["cudnn"], 3)

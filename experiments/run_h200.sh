@@ -100,7 +100,9 @@ grids=quick,d256,model
 a_impls=jflash,cudnn
 [ -n "${BENCH_SMOKE:-}" ] && grids=smoke && a_impls=jflash,xla
 # A's share: its cells with the Mosaic GPU compiles (d = 256, GQA, MQA last) took 187 s
-# on the H200 (2026-12-01); at 65% of a 420 s budget A stopped before GQA and MQA.
+# on the H200 (2026-12-01); at 65% of a 420 s budget A stopped before GQA and MQA. The
+# alternating timing (experiments/common.py, time_alternating) adds about 2 s per cell
+# and mode (a second of sustained calls, then 7 rounds of 50 ms per peer): ~70 s for A.
 a=$(( ($(left) - 20) * ${BENCH_A_SHARE:-70} / 100 ))
 if [ "${SKIP_BENCH_A:-0}" != 1 ]; then
   step bench_a $a $py -m experiments.bench_attention --grids "$grids" --impls "$a_impls" \

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments.bench import report
+
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"impl", "s", "d", "causal", "mode", "tflops", "ms", "rel_err"}
 
@@ -33,6 +35,9 @@ def test_quick_cpu_smoke(tmp_path):
     assert ROW_KEYS <= set(r), r
     assert r["status"] == "ok", r
     assert r["tflops"] > 0 and r["ms"] > 0
+    assert len(r["round_ms"]) == 2   # the smoke's rounds, timed alongside the cell's peers
+  for (key, mode), cell in report.by_cell(rows).items():
+    assert len({r["timing_group"] for r in cell.values()}) == 1, (key, mode)
     assert r["ref"] == "xla" and r["rel_err"] <= 2e-2  # bf16 chunked vs bf16 dense
   assert data["memory"] and all("temp_size_in_bytes" in m for m in data["memory"])
   assert data["environment"]["backend"] == "cpu"
@@ -103,3 +108,12 @@ def test_report_joins_runs_and_evaluates_targets(tmp_path):
   assert len(joined["rows"]) == 2
   assert any(t["kind"] == "vs_peer" and t["met"] is False for t in joined["targets"])
   assert "MISSED" in out.stdout
+
+
+def test_round_ratios_pair_the_rounds_two_peers_were_timed_in():
+  mine = {"round_ms": [2.0, 4.0, 5.0], "timing_group": "a"}
+  peer = {"round_ms": [3.0, 4.0, 4.0], "timing_group": "a"}
+  assert report.round_ratios(mine, peer) == [1.5, 1.0, 0.8]   # peer's time over jflash's
+  # Rounds timed apart (another cell, another process) are not paired.
+  assert report.round_ratios(mine, dict(peer, timing_group="b")) is None
+  assert report.round_ratios(mine, {"ms": 3.0}) is None

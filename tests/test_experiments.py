@@ -228,7 +228,7 @@ def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
   # A copy of this tree's packages stands in for another commit's.
   copy_packages(tmp_path / "base")
   run_script("ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
-             "--name", "ab_tiny")
+             "--warm-ms", "0", "--name", "ab_tiny")
   res = load(tmp_path, "ab_tiny")
   assert res["trees"]["base"] == str((tmp_path / "base").resolve())
   assert [r["mode"] for r in res["rows"]] == ["fwd", "fwd+bwd"]
@@ -368,3 +368,48 @@ def test_sass_summary_reads_a_mosaic_gpu_dump(tmp_path, capsys):
   assert "C7512" in out and "488 bytes spill stores" in out
   assert "'.minnctapersm 1'" in out and "setmaxnreg.inc.sync.aligned.u32 232" in out
   assert "0 bytes spill stores" in out            # the forward's log, read alone
+
+
+class PowerCappedCard:
+  """A simulated card whose calls slow as it works: every call takes `cold` seconds
+  until `heat_s` seconds of work are done, then `hot` seconds (a clock brought down by
+  a power limit). Its clock is the timers' `time.perf_counter`."""
+
+  def __init__(self, cold=1.0, hot=1.25, heat_s=30.0):
+    self.now, self.busy, self.calls = 0.0, 0.0, []
+    self.cold, self.hot, self.heat_s = cold, hot, heat_s
+
+  def program(self, label):
+    def call():
+      cost = self.hot if self.busy >= self.heat_s else self.cold
+      self.now += cost
+      self.busy += cost
+      self.calls.append(label)
+    return call, ((),), lambda out: out
+
+
+def test_alternating_timing_gives_identical_programs_identical_times(monkeypatch):
+  from experiments import common
+  card = PowerCappedCard()
+  monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
+  # One after another, the second program is timed on a hotter card than the first.
+  first = common.time_calls(*card.program("a")[:2], rounds=5, round_s=4.0)
+  second = common.time_calls(*card.program("b")[:2], rounds=5, round_s=4.0)
+  assert second["median_s"] > first["median_s"]
+  # Warmed and alternated, both see the card held under load: equal to the last bit.
+  card = PowerCappedCard()
+  monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
+  times = common.time_alternating({"a": card.program("a"), "b": card.program("b")},
+                                  rounds=5, round_s=4.0, warm_s=40.0)
+  assert times["a"]["median_s"] == times["b"]["median_s"] == card.hot
+  assert times["a"]["round_s"] == [card.hot] * 5 and times["a"]["calls_per_round"] == 4
+
+
+def test_alternating_timing_rotates_which_program_goes_first(monkeypatch):
+  from experiments import common
+  card = PowerCappedCard()
+  monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
+  programs = {n: card.program(n) for n in "abc"}
+  common.time_alternating(programs, rounds=3, round_s=1.0, warm_s=0.0, warmup=1)
+  # One estimating call each, then each round's calls in a rotated order.
+  assert "".join(card.calls) == "abc" + "abc" + "bca" + "cab"

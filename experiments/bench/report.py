@@ -70,7 +70,7 @@ def print_summary(rows, labels, resolved=None):
     temp = b and b.get("temp_mib")
     return (f"{_tf(f):>6} {_tf(b):>6} {'-' if first is None else f'{first:.1f}':>5}"
             f" {'-' if temp is None else f'{temp:.0f}':>5}")
-  print(f"\nSummary per peer: TF/s fwd, fwd+bwd | first call of fwd+bwd (s) | its temp (MiB)",
+  print("\nSummary per peer: TF/s fwd, fwd+bwd | first call of fwd+bwd (s) | its temp (MiB)",
         flush=True)
   print(f"{'case':{kw}} " + " | ".join(f"{n[:26]:^26}" for n in labels) + " | None ->")
   for (key, name), c in cases.items():
@@ -106,6 +106,17 @@ def _baseline_index(baseline_rows):
           for r in baseline_rows or () if r["impl"] == "jflash"}
 
 
+def round_ratios(mine, peer) -> list[float] | None:
+  """jflash's speed over the peer's round by round, where both were timed in the same
+  alternating rounds (`experiments.common.time_alternating`): the spread of the ratio
+  within one run."""
+  mine, peer = mine or {}, peer or {}
+  a, b = mine.get("round_ms"), peer.get("round_ms")
+  if not a or not b or mine.get("timing_group") != peer.get("timing_group"):
+    return None
+  return [round(y / x, 4) for x, y in zip(a, b)]
+
+
 def evaluate_targets(rows, resolved=None, mem_summary=None, baseline_rows=None) -> list[dict]:
   """Every target of specs.TARGETS whose jflash row this run has, with met True/False (or
   None when the row or what it is compared with is missing or failed)."""
@@ -127,6 +138,9 @@ def evaluate_targets(rows, resolved=None, mem_summary=None, baseline_rows=None) 
         p = idx.get((t.peer, case.key(), t.mode))
         entry.update(target=f">= {t.value}x {t.peer}", have=tf,
                      need=p["tflops"] * t.value if p and p.get("tflops") else None)
+        ratios = round_ratios(mine, p)
+        if ratios:
+          entry["round_ratios"] = ratios
       elif t.kind == "vs_case":
         o = idx.get((label, t.other.key(), t.mode))
         entry.update(target=f">= {t.value}x {t.other.name}", have=tf,
@@ -169,9 +183,11 @@ def print_targets(targets):
   print("\nTargets (jflash)", flush=True)
   for t in targets:
     fmt = lambda x: "-" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))  # noqa: E731
+    rounds = t.get("round_ratios")
+    spread = f"  rounds {min(rounds):.3f}-{max(rounds):.3f}" if rounds else ""
     print(f"  {t['group']:18s} {t.get('impl', ''):10s} {t['key']:36s} {t.get('mode', ''):8s}"
-          f" {fmt(t['have']):>9} vs {fmt(t['need']):>9}  ({t['target']})  {met[t['met']]}",
-          flush=True)
+          f" {fmt(t['have']):>9} vs {fmt(t['need']):>9}  ({t['target']})  {met[t['met']]}"
+          f"{spread}", flush=True)
   counts = {m: sum(t["met"] is v for t in targets) for v, m in met.items()}
   print(f"  {counts['met']} met, {counts['MISSED']} missed, {counts['n/a']} not measurable")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +82,12 @@ def reference_mode(mode: str) -> str:
 
 class Runner:
   def __init__(self, peers: dict[str, Peer], *, dtype="bfloat16", rounds=specs.ROUNDS,
-               round_s=specs.ROUND_S, input_sets=specs.N_INPUT_SETS, time_limit_s=math.inf):
+               round_s=specs.ROUND_S, warm_s=specs.WARM_S, input_sets=specs.N_INPUT_SETS,
+               time_limit_s=math.inf):
     self.peers = peers
     self.dtype = dtype
-    self.rounds, self.round_s, self.input_sets = rounds, round_s, input_sets
+    self.rounds, self.round_s, self.warm_s = rounds, round_s, warm_s
+    self.input_sets = input_sets
     self.time_limit_s = time_limit_s
     self.chain = [n for n in specs.REFERENCE_CHAIN if n in peers]
     self._fns = {}    # (peer label, case, mode) -> compiled call and what its first run said
@@ -164,15 +167,27 @@ class Runner:
     return self._refs[key]
 
   def run_case(self, case: Case, labels, modes) -> list[dict]:
+    """Every peer's row of each mode: each checked first, then the checked ones timed
+    together (`common.time_alternating`), so their ratios compare the same card state."""
     rows = []
     for mode in modes:
       ref = self.reference(case, mode)
-      rows += [self.run_one(self.peers[n], case, mode, ref) for n in labels]
+      checked = [self.check_one(self.peers[n], case, mode, ref) for n in labels]
+      self.time_rows(case, [c for c in checked if c[1] is not None])
+      rows += [row for row, _ in checked]
       self._refs.pop((case, mode), None)
     return rows
 
   def run_one(self, peer: Peer, case: Case, mode: str, ref=None) -> dict:
     """One row: checked against `ref` (default: this runner's reference), then timed."""
+    row, got = self.check_one(peer, case, mode, ref)
+    if got is not None:
+      self.time_rows(case, [(row, got)])
+    return row
+
+  def check_one(self, peer: Peer, case: Case, mode: str, ref=None) -> tuple[dict, dict | None]:
+    """(row, compiled call) of one peer, the call None where the row is final: skipped,
+    unavailable, failed, or wrong against `ref` (a wrong result is not timed)."""
     ref_name, ref_parts = ref if ref is not None else self.reference(case, mode)
     row = dict(impl=peer.name, peer=peer.label, case=case.name, key=case.key(), s=case.s,
                d=case.d, causal=case.causal, batch=case.batch, heads=case.heads,
@@ -180,15 +195,15 @@ class Runner:
                tflops=None, ms=None, rel_err=None, ref=ref_name, status="ok")
     if peer.implementation:
       row["implementation"] = peer.implementation
-    tag = f"{case.key():36s} {mode:8s} {peer.label:20s}"
+    tag = _tag(row)
     if peer.max_seq and case.s > peer.max_seq:
       row.update(status="skipped", error=peer.skip_reason)
       common.log(f"{tag} skipped: {peer.skip_reason}")
-      return row
+      return row, None
     if self.over_time():
       row.update(status="skipped", error=f"time limit of {self.time_limit_s:.0f} s spent")
       common.log(f"{tag} skipped: time limit")
-      return row
+      return row, None
     try:
       got = self.fn(peer, case, mode)
       row.update(variant=got["label"], first_call_s=round(got["first_call_s"], 3))
@@ -208,23 +223,73 @@ class Runner:
         if not err <= tol:  # NaN fails too
           row.update(status="wrong", error=f"rel_err={err:.3g} > {tol} against {ref_name}: not timed")
           common.log(f"{tag} WRONG rel_err={err:.3g} against {ref_name}")
-          return row
+          return row, None
       got.pop("first", None)
-      t = common.time_calls(got["fn"], got["sets"], rounds=self.rounds, round_s=self.round_s,
-                            warmup=2, sync=sync(peer))
-      sec = t["median_s"]
-      row.update(ms=sec * 1e3, tflops=case.flops(mode) / sec / 1e12,
-                 calls_per_round=t["calls_per_round"])
-      err_txt = "unchecked" if row["rel_err"] is None else f"rel_err={row['rel_err']:.1e}"
-      common.log(f"{tag} {row['tflops']:7.2f} TF/s {row['ms']:9.3f} ms  {err_txt}"
-                 f" (first call {row['first_call_s']:.1f}s)")
+      return row, dict(got, sync=sync(peer))
     except Unavailable as e:
       row.update(status="unavailable", error=err_text(e))
       common.log(f"{tag} unavailable: {row['error'][:160]}")
     except Exception as e:
       row.update(status="error", error=err_text(e))
       common.log(f"{tag} ERROR {row['error'][:160]}")
-    return row
+    return row, None
+
+  def time_rows(self, case: Case, checked):
+    """Times the compiled calls of `checked` [(row, call)] of `case` in alternating
+    rounds and fills in their rows; a failure while timing fails every row of the group."""
+    if not checked:
+      return
+    programs = {row["peer"]: (got["fn"], got["sets"], got["sync"]) for row, got in checked}
+    try:
+      times = common.time_alternating(programs, rounds=self.rounds, round_s=self.round_s,
+                                      warm_s=self.warm_s)
+    except Exception as e:
+      for row, _ in checked:
+        row.update(status="error", error=f"timing: {err_text(e)}")
+        common.log(f"{_tag(row)} ERROR timing: {row['error'][:160]}")
+      return
+    group = uuid.uuid4().hex[:12]   # which rows' rounds were timed together
+    for row, _ in checked:
+      t = times[row["peer"]]
+      sec = t["median_s"]
+      row.update(ms=sec * 1e3, tflops=case.flops(row["mode"]) / sec / 1e12,
+                 calls_per_round=t["calls_per_round"],
+                 round_ms=[round(x * 1e3, 4) for x in t["round_s"]], timing_group=group)
+      err_txt = "unchecked" if row["rel_err"] is None else f"rel_err={row['rel_err']:.1e}"
+      common.log(f"{_tag(row)} {row['tflops']:7.2f} TF/s {row['ms']:9.3f} ms  {err_txt}"
+                 f" (first call {row['first_call_s']:.1f}s)")
+
+
+def add_timing_args(p):
+  """The timing options of the benchmarks that time peers through `Runner`."""
+  p.add_argument("--rounds", type=int, default=specs.ROUNDS)
+  p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3)
+  p.add_argument("--warm-ms", type=float, default=specs.WARM_S * 1e3,
+                 help="sustained calls through a cell's peers before its timed rounds")
+  p.add_argument("--input-sets", type=int, default=specs.N_INPUT_SETS)
+
+
+def smoke_timing(args):
+  """--cpu-smoke: the machinery, not numbers."""
+  args.rounds, args.round_ms, args.warm_ms, args.input_sets = 2, 1.0, 0.0, 2
+
+
+def timing_options(args) -> dict:
+  """Runner's timing keywords from `add_timing_args`' options."""
+  return dict(rounds=args.rounds, round_s=args.round_ms / 1e3, warm_s=args.warm_ms / 1e3,
+              input_sets=args.input_sets)
+
+
+def timing_text(args) -> str:
+  """How the rows' times were taken, for the JSON's config."""
+  return (f"peers of a cell timed together: {args.warm_ms:g} ms of sustained calls through "
+          f"all, then the median of {args.rounds} rounds, each peer's calls back to back for "
+          f">= {args.round_ms:g} ms per round in a rotating order, {args.input_sets} rotated "
+          f"input sets, completion awaited once per round")
+
+
+def _tag(row) -> str:
+  return f"{row['key']:36s} {row['mode']:8s} {row['peer']:20s}"
 
 
 def memory_rows(peers: dict[str, Peer], labels, seqs, heads: int, d: int, dtype,

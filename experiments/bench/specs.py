@@ -100,8 +100,12 @@ MEMORY_PEERS = ("jflash", "jax_pallas_mha", "cudnn", "xla")
 # A sanity gate, not an accuracy test: two bf16 implementations differ by ~4e-3 (bf16
 # rounding of the output), a wrong kernel by O(1) or NaN.
 REL_TOL = {"fwd": 2e-2, "fwd+bwd": 5e-2, "bwd": 5e-2}
-ROUNDS = 5              # median over rounds
-ROUND_S = 0.025         # each round long enough (>= 25 ms) that launch gaps do not count
+# Peers compared in one cell are timed together (`experiments.common.time_alternating`):
+# WARM_S of sustained calls through all of them, then ROUNDS rounds, each peer's calls
+# back to back for ROUND_S per round, in a rotating order.
+ROUNDS = 7              # median over rounds
+ROUND_S = 0.05          # each round long enough (>= 50 ms) that launch gaps do not count
+WARM_S = 1.0            # the card brought to the clock it holds under sustained load
 N_INPUT_SETS = 3        # rotated so no call reuses the previous call's inputs in cache
 XLA_MAX_SEQ = 8192      # the materialising baseline: 16K fwd+bwd needs 40 GiB and is ~10x slower
 
