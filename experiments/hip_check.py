@@ -57,6 +57,9 @@ MASKS = {  # B = 2, T = S = 300
     "segments": dict(segment_ids=np.array([[0] * 90 + [1] * 150 + [2] * 60, [4] * 300], np.int32)),
     "causal_len_seg": dict(is_causal=True, key_value_seq_lengths=np.array([200, 300], np.int32),
                            segment_ids=np.array([[0] * 130 + [1] * 170, [3] * 300], np.int32)),
+    "soft_cap": dict(logits_soft_cap=2.0),
+    "causal_window_soft_cap": dict(is_causal=True, local_window_size=(100, 0),
+                                   logits_soft_cap=5.0),
 }
 # (B, T, N, K, H) for the timing table: MHA and GQA, both head dims.
 BENCH = [
@@ -202,7 +205,8 @@ def handler_error_rows():
   q = jnp.zeros((1, 8, 2, 64), jnp.float16)
   r, seg = jnp.zeros((1, 1, 8), jnp.int32), jnp.zeros((1, 1), jnp.int32)
   attrs = dict(scale=np.float32(0.125), is_causal=np.bool_(False), window_left=np.int32(-1),
-               window_right=np.int32(-1), has_segments=np.bool_(False))
+               window_right=np.int32(-1), has_segments=np.bool_(False),
+               soft_cap=np.float32(0.0))
   out = jax.ShapeDtypeStruct(q.shape, q.dtype)
   lse = lambda t, dt=jnp.float32: jax.ShapeDtypeStruct((1, 2, t), dt)
   fwd = hip_ffi.TARGETS["forward"][0]
@@ -211,6 +215,8 @@ def handler_error_rows():
       "lse_dtype": (fwd, (out, lse(8, jnp.float16)), (q, q, q, r, seg, seg),
                     {"tile": np.int32(0)}, ""),
       "tile": (fwd, (out, lse(8)), (q, q, q, r, seg, seg), {"tile": np.int32(9)}, "tile"),
+      "soft_cap": (fwd, (out, lse(8)), (q, q, q, r, seg, seg),
+                   {"tile": np.int32(0), "soft_cap": np.float32(-1.0)}, "soft_cap"),
       "dq_ranges": (hip_ffi.TARGETS["dq"][0], jax.ShapeDtypeStruct(q.shape, jnp.float32),
                     (q, q, q, q, jnp.zeros((1, 2, 8)), jnp.zeros((1, 2, 8)),
                      jnp.zeros((1, 5, 8), jnp.int32), seg, seg), {}, "ranges"),
@@ -218,7 +224,7 @@ def handler_error_rows():
   for name, (target, results, args, extra, word) in bad.items():
     row = {"case": f"handler_error_{name}"}
     try:
-      block(jax.ffi.ffi_call(target, results)(*args, **attrs, **extra))
+      block(jax.ffi.ffi_call(target, results)(*args, **{**attrs, **extra}))
       row.update(ok=False, error="no error raised")
     except Exception as e:  # expected: the handler's (or XLA's dtype) message
       msg = str(e)

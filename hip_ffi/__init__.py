@@ -120,7 +120,8 @@ def bwd_tile_table():
   return build.bwd_tile_table()
 
 
-def check_inputs(q, k, v, *, scale, is_causal, tile, window=None, dtypes=(np.float16,)):
+def check_inputs(q, k, v, *, scale, is_causal, tile, window=None, soft_cap=None,
+                 dtypes=(np.float16,)):
   """ValueError naming the bad value, for everything the kernels cannot take.
 
   The one place of these rules: the raw ops call it with float16 only, jflash's
@@ -152,6 +153,9 @@ def check_inputs(q, k, v, *, scale, is_causal, tile, window=None, dtypes=(np.flo
     raise ValueError(f"is_causal={is_causal!r} must be a bool")
   if not math.isfinite(float(scale)):
     raise ValueError(f"scale={scale!r} must be finite")
+  if soft_cap is not None and not (isinstance(soft_cap, (int, float, np.floating, np.integer))
+                                   and math.isfinite(float(soft_cap)) and soft_cap > 0):
+    raise ValueError(f"soft_cap={soft_cap!r} must be None or a finite number > 0")
   if window is not None and not (len(window) == 2 and all(
       isinstance(w, (int, np.integer)) and 0 <= w < 2**31 for w in window)):
     raise ValueError(f"window={window!r} must be a (left, right) pair of ints >= 0")
@@ -174,11 +178,13 @@ def _call(op, results, *args, **attrs):
   return jax.ffi.ffi_call(TARGETS[op][0], results, vmap_method="broadcast_all")(*args, **attrs)
 
 
-def _mask_attrs(is_causal, window, q_seg):
-  # numpy scalars fix the attribute types the handler decodes: i1 (pred), i32.
+def _mask_attrs(scale, is_causal, window, soft_cap, q_seg):
+  # numpy scalars fix the attribute types the handler decodes: f32, i1 (pred), i32.
   left, right = (-1, -1) if window is None else window
-  return dict(is_causal=np.bool_(is_causal), window_left=np.int32(left),
-              window_right=np.int32(right), has_segments=np.bool_(q_seg is not None))
+  return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
+              window_left=np.int32(left), window_right=np.int32(right),
+              has_segments=np.bool_(q_seg is not None),
+              soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
 
 
 def _segments(q_seg, kv_seg):
@@ -191,23 +197,24 @@ def _segments(q_seg, kv_seg):
 
 
 def flash_forward(q, k, v, ranges, q_seg=None, kv_seg=None, *, scale: float,
-                  is_causal: bool, window=None, tile: int = 0):
+                  is_causal: bool, window=None, soft_cap=None, tile: int = 0):
   """Raw op: `(out [B, T, N, H] fp16, lse [B, N, T] f32)`.
 
   `ranges` [B, ceil(T / BQ), 8] int32 (pallas_kernels.masking.build_ranges for the
-  forward tile's BQ x BK); `q_seg` [B, T], `kv_seg` [B, S] int32 or None. Checks the
+  forward tile's BQ x BK); `q_seg` [B, T], `kv_seg` [B, S] int32 or None; `soft_cap`
+  None or c > 0 (logits -> c tanh(logits / c)). Checks the
   inputs (ValueError) before the call. XLA allocates buffers with at least 16-byte
   alignment, which the handler re-checks for its 128-bit loads.
   """
   import jax
   import jax.numpy as jnp
-  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=tile, window=window)
+  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=tile, window=window,
+               soft_cap=soft_cap)
   B, T, N, H = q.shape
   results = (jax.ShapeDtypeStruct(q.shape, jnp.float16),
              jax.ShapeDtypeStruct((B, N, T), jnp.float32))
   return _call("forward", results, q, k, v, ranges, *_segments(q_seg, kv_seg),
-               scale=np.float32(scale), **_mask_attrs(is_causal, window, q_seg),
-               tile=np.int32(tile))
+               **_mask_attrs(scale, is_causal, window, soft_cap, q_seg), tile=np.int32(tile))
 
 
 def flash_backward_delta(out, dout, dlse):
@@ -220,23 +227,24 @@ def flash_backward_delta(out, dout, dlse):
 
 
 def flash_backward_dq(q, k, v, dout, lse, delta, ranges, q_seg=None, kv_seg=None, *,
-                      scale: float, is_causal: bool, window=None):
+                      scale: float, is_causal: bool, window=None, soft_cap=None):
   """Raw op: dq [B, T, N, H] f32; `ranges` per query tile of the backward tile table."""
   import jax
   import jax.numpy as jnp
-  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=0, window=window)
+  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=0, window=window,
+               soft_cap=soft_cap)
   return _call("dq", jax.ShapeDtypeStruct(q.shape, jnp.float32), q, k, v, dout, lse, delta,
-               ranges, *_segments(q_seg, kv_seg), scale=np.float32(scale),
-               **_mask_attrs(is_causal, window, q_seg))
+               ranges, *_segments(q_seg, kv_seg),
+               **_mask_attrs(scale, is_causal, window, soft_cap, q_seg))
 
 
 def flash_backward_dkdv(q, k, v, dout, lse, delta, ranges, q_seg=None, kv_seg=None, *,
-                        scale: float, is_causal: bool, window=None):
+                        scale: float, is_causal: bool, window=None, soft_cap=None):
   """Raw op: (dk, dv) [B, S, K, H] f32; `ranges` per key tile (build_ranges(transpose))."""
   import jax
   import jax.numpy as jnp
-  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=0, window=window)
+  check_inputs(q, k, v, scale=scale, is_causal=is_causal, tile=0, window=window,
+               soft_cap=soft_cap)
   kv = jax.ShapeDtypeStruct(k.shape, jnp.float32)
   return _call("dkdv", (kv, kv), q, k, v, dout, lse, delta, ranges,
-               *_segments(q_seg, kv_seg), scale=np.float32(scale),
-               **_mask_attrs(is_causal, window, q_seg))
+               *_segments(q_seg, kv_seg), **_mask_attrs(scale, is_causal, window, soft_cap, q_seg))

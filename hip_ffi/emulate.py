@@ -22,9 +22,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 @functools.cache
 def _lib():
   lib = ctypes.CDLL(str(build.build("emulate")))
-  lib.jflash_emulated_forward.argtypes = [_P] * 4 + [_I] + [_P] * 4 + [_I] * 6 + [_F] + [_I] * 4
+  lib.jflash_emulated_forward.argtypes = ([_P] * 4 + [_I] + [_P] * 4 + [_I] * 6 + [_F]
+                                         + [_I] * 3 + [_F, _I])
   lib.jflash_emulated_bwd_delta.argtypes = [_P] * 4 + [_I] * 4
-  lib.jflash_emulated_bwd.argtypes = [_P] * 7 + [_I] + [_P] * 5 + [_I] * 6 + [_F] + [_I] * 3
+  lib.jflash_emulated_bwd.argtypes = [_P] * 7 + [_I] + [_P] * 5 + [_I] * 6 + [_F] + [_I] * 3 + [_F]
   for fn in (lib.jflash_emulated_forward, lib.jflash_emulated_bwd_delta, lib.jflash_emulated_bwd):
     fn.restype = ctypes.c_int
   return lib
@@ -56,7 +57,7 @@ def _check(rc, what):
 
 
 def forward(q, k, v, ranges, q_seg, kv_seg, *, scale, is_causal, window_left, window_right,
-            has_segments, tile):
+            has_segments, soft_cap, tile):
   q, k, v = (_c(x, np.float16) for x in (q, k, v))
   B, T, S, N, K, H = _dims(q, k)
   ranges, (qs, ks), flags = _mask(ranges, q_seg, kv_seg, is_causal, window_left, window_right,
@@ -65,7 +66,7 @@ def forward(q, k, v, ranges, q_seg, kv_seg, *, scale, is_causal, window_left, wi
   lse = np.empty((*q.shape[:-3], N, T), np.float32)
   _check(_lib().jflash_emulated_forward(
       _ptr(q), _ptr(k), _ptr(v), _ptr(ranges), ranges.shape[-2], _ptr(qs), _ptr(ks), _ptr(out),
-      _ptr(lse), B, T, S, N, K, H, float(scale), *flags, int(tile)), "forward")
+      _ptr(lse), B, T, S, N, K, H, float(scale), *flags, float(soft_cap), int(tile)), "forward")
   return out, lse
 
 
@@ -80,7 +81,7 @@ def delta(out, dout, dlse):
 
 
 def _backward(want_dq, q, k, v, dout, lse, delta_, ranges, q_seg, kv_seg, *, scale, is_causal,
-              window_left, window_right, has_segments):
+              window_left, window_right, has_segments, soft_cap):
   q, k, v, dout = (_c(x, np.float16) for x in (q, k, v, dout))
   lse, delta_ = _c(lse, np.float32), _c(delta_, np.float32)
   B, T, S, N, K, H = _dims(q, k)
@@ -92,7 +93,7 @@ def _backward(want_dq, q, k, v, dout, lse, delta_, ranges, q_seg, kv_seg, *, sca
   _check(_lib().jflash_emulated_bwd(
       _ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta_), _ptr(ranges),
       ranges.shape[-2], _ptr(qs), _ptr(ks), _ptr(dq), _ptr(dk), _ptr(dv), B, T, S, N, K, H,
-      float(scale), *flags), "dq" if want_dq else "dk/dv")
+      float(scale), *flags, float(soft_cap)), "dq" if want_dq else "dk/dv")
   return dq if want_dq else (dk, dv)
 
 

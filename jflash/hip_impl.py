@@ -6,7 +6,8 @@ delta, dQ and dK/dV kernels, nothing else.
 
 Masks: causal, local window, sequence lengths and segment ids reach the kernels as
 the per-tile ranges of pallas_kernels.masking (skip / full / boundary), computed here
-for the kernels' tile sizes; dense mask, bias, soft cap and dropout are refused.
+for the kernels' tile sizes, and a soft cap as an attribute; dense mask, bias and
+dropout are refused.
 
 bfloat16: gfx906 has no bf16 arithmetic, and its fp16 dot2 runs at twice the fp32
 FMA rate, so bf16 operands are converted to fp16 before the kernels (exact for
@@ -78,18 +79,18 @@ def _tile(q, cfg) -> int:
 
 
 # What the kernels take from `Masks`; the rest of its fields raise NotImplementedError.
-SUPPORTED_MASKS = ("is_causal", "window", "q_lengths", "kv_lengths", "q_segment_ids",
-                   "kv_segment_ids")
+SUPPORTED_MASKS = ("is_causal", "window", "soft_cap", "q_lengths", "kv_lengths",
+                   "q_segment_ids", "kv_segment_ids")
 
 
 def supports(q, k, v, cfg, masks: Masks) -> None:
   lacking = [name for name in masks.in_use() if name not in SUPPORTED_MASKS]
   if lacking:
     raise NotImplementedError(f"the hip kernels have no {', '.join(lacking)} (lengths, "
-                              "window and segment ids are supported)")
+                              "window, segment ids and soft cap are supported)")
   try:
     hip_ffi.check_inputs(q, k, v, scale=cfg.scale, is_causal=masks.is_causal, tile=0,
-                         window=masks.window, dtypes=DTYPES)
+                         window=masks.window, soft_cap=masks.soft_cap, dtypes=DTYPES)
   except ValueError as e:  # an input the kernels lack: another implementation may run it
     raise NotImplementedError(str(e)) from None
   _tile(q, cfg)
@@ -122,7 +123,7 @@ def _ranges(q, k, masks: Masks, block_q, block_k, transpose=False):
 
 def _mask_kwargs(cfg, masks: Masks):
   return dict(q_seg=masks.q_segment_ids, kv_seg=masks.kv_segment_ids, scale=cfg.scale,
-              is_causal=masks.is_causal, window=masks.window)
+              is_causal=masks.is_causal, window=masks.window, soft_cap=masks.soft_cap)
 
 
 # -- dtype handling ----------------------------------------------------------------------

@@ -258,9 +258,11 @@ _R = jnp.zeros((1, 1, 8), jnp.int32)
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"scale": float("nan")}, "scale=nan"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"is_causal": 1}, "is_causal=1"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"window": (3, -1)}, "window=(3, -1)"),
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": 0.0}, "soft_cap=0.0"),
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": float("inf")}, "soft_cap=inf"),
     (_aval((1, 8, 65536, 64)), _aval((1, 8, 1, 64)), _aval((1, 8, 1, 64)), {}, "<= 65535"),
 ], ids=["q-f32", "k-bf16", "rank", "gqa", "head-dim", "k-v", "batch", "tile", "scale", "causal",
-        "window", "grid"])
+        "window", "soft-cap-0", "soft-cap-inf", "grid"])
 def test_raw_op_rejects_bad_inputs_before_the_call(q, k, v, kw, match):
   args = {"scale": 0.125, "is_causal": False, "tile": 0, **kw}
   with pytest.raises(ValueError, match=re.escape(match)):
@@ -332,7 +334,6 @@ def test_the_grid_limit_lives_in_one_python_place():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"logits_soft_cap": 30.0}, "soft_cap"),
     ({"mask": np.ones((1, 1, 16, 16), bool)}, "mask"),
     ({"bias": np.zeros((1, 1, 16, 16), np.float16)}, "bias"),
     ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, "dropout"),

@@ -126,6 +126,45 @@ def test_masks(runner, dtype, kw):
   check(runner, q, k, v, do, **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape,kw", [
+    ((2, 100, 100, 2, 1, 64), dict(logits_soft_cap=1.5)),
+    ((1, 90, 110, 4, 2, 128), dict(logits_soft_cap=2.0, is_causal=True,
+                                   local_window_size=(40, 0),
+                                   key_value_seq_lengths=np.array([101], np.int32))),
+], ids=["d64", "d128-gqa-causal-window-lengths"])
+def test_soft_cap(runner, dtype, shape, kw):
+  # A cap near the logits' own spread (random q, k: about N(0, 1) after the scale), so
+  # tanh bends most of them; the gradients carry its slope 1 - tanh^2.
+  q, k, v, do = random_qkv(shape, dtype, seed=11)
+  check(runner, q, k, v, do, **kw)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_soft_cap_saturates_to_a_uniform_softmax(runner, is_causal):
+  # Every logit scale q.k = 1e4 under a cap of 2 is 2 tanh(5e3) = 2 exactly: the softmax
+  # is uniform over the visible keys, so out is their mean of v and lse = 2 +
+  # log(count); the cap's slope 1 - tanh^2 is 0 there, so dq = dk = 0 exactly, and dv
+  # gets each query's dO / count.
+  T, N, H = 70, 2, 64
+  q = jnp.full((1, T, N, H), 0.5, jnp.float16)
+  k = jnp.full((1, T, 1, H), 0.5, jnp.float16)        # q.k = 16 for every pair
+  _, _, v, do = random_qkv((1, T, T, N, 1, H), jnp.float16, seed=12)
+  out, lse, dq, dk, dv = _hip_fwd_bwd(runner, q, k, v, do, scale=1e4 / 16,
+                                      logits_soft_cap=2.0, is_causal=is_causal)
+  sees = np.tril(np.ones((T, T))) if is_causal else np.ones((T, T))   # [query, key]
+  count = sees.sum(1)
+  v64, do64 = np.asarray(v, np.float64)[0, :, 0], np.asarray(do, np.float64)[0]
+  want_out = (sees / count[:, None]) @ v64                           # [T, H], every head
+  want_dv = np.einsum("ts,tnh->sh", sees / count[:, None], do64)     # heads share k, v
+  assert max_err(out[0], np.broadcast_to(want_out[:, None], out[0].shape)) <= floor(
+      jnp.float16, want_out, T)
+  assert max_err(lse[0], np.broadcast_to(2 + np.log(count), lse[0].shape)) <= floor(
+      jnp.float32, 2 + np.log(count), T)
+  assert max_err(dv[0, :, 0], want_dv) <= floor(jnp.float16, want_dv, T * N)
+  assert not dq.any() and not dk.any()
+
+
 def test_masks_head_dim_128_mqa(runner):
   q, k, v, do = random_qkv((1, 90, 110, 4, 1, 128), jnp.float16, seed=4)
   check(runner, q, k, v, do, is_causal=True, local_window_size=(33, 5),
@@ -253,7 +292,8 @@ def test_handler_rejects_a_bad_call_with_an_error():
   r = jnp.zeros((1, 1, 8), jnp.int32)
   seg = jnp.zeros((1, 1), jnp.int32)
   attrs = dict(scale=np.float32(0.125), is_causal=np.bool_(False), window_left=np.int32(-1),
-               window_right=np.int32(-1), has_segments=np.bool_(False))
+               window_right=np.int32(-1), has_segments=np.bool_(False),
+               soft_cap=np.float32(0.0))
   out = jax.ShapeDtypeStruct(q.shape, q.dtype)
   call = lambda lse_shape, tile, ranges: jax.ffi.ffi_call(
       hip_ffi.TARGET_NAME, (out, jax.ShapeDtypeStruct(lse_shape, jnp.float32)))(
@@ -264,6 +304,9 @@ def test_handler_rejects_a_bad_call_with_an_error():
     jax.block_until_ready(call((1, 2, 8), 9, r))
   with pytest.raises(Exception, match="ranges"):
     jax.block_until_ready(call((1, 2, 8), 0, jnp.zeros((1, 3, 8), jnp.int32)))
+  attrs["soft_cap"] = np.float32(-1.0)
+  with pytest.raises(Exception, match="soft_cap"):
+    jax.block_until_ready(call((1, 2, 8), 0, r))
 
 
 def test_malformed_ranges_cannot_read_outside_the_arrays(runner):

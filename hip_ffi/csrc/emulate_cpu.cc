@@ -19,9 +19,9 @@ extern "C" int jflash_emulated_forward(const uint16_t* q, const uint16_t* k, con
                                        const int32_t* q_seg, const int32_t* kv_seg,
                                        uint16_t* out, float* lse, int B, int T, int S, int N,
                                        int KH, int H, float scale, int causal, int win_left,
-                                       int win_right, int tile) {
+                                       int win_right, float soft_cap, int tile) {
   if ((H != 64 && H != 128) || tile < 0 || tile >= jflash::kNumTiles || N % KH != 0) return 1;
-  jflash::FwdParams p{q, k, v, out, lse, B, T, S, N, KH, scale * jflash::kLog2e,
+  jflash::FwdParams p{q, k, v, out, lse, B, T, S, N, KH, jflash::make_logits(scale, soft_cap),
                       mask(ranges, n_blocks, q_seg, kv_seg, causal, win_left, win_right)};
   return jflash::launch_forward(p, H, tile, nullptr);
 }
@@ -40,9 +40,10 @@ extern "C" int jflash_emulated_bwd(const uint16_t* q, const uint16_t* k, const u
                                    const int32_t* ranges, int n_blocks, const int32_t* q_seg,
                                    const int32_t* kv_seg, float* dq, float* dk, float* dv, int B,
                                    int T, int S, int N, int KH, int H, float scale, int causal,
-                                   int win_left, int win_right) {
+                                   int win_left, int win_right, float soft_cap) {
   if ((H != 64 && H != 128) || N % KH != 0) return 1;
-  jflash::BwdParams p{q, k, v, dout, lse, delta, dq, dk, dv, B, T, S, N, KH, scale,
+  jflash::BwdParams p{q, k, v, dout, lse, delta, dq, dk, dv, B, T, S, N, KH,
+                      jflash::make_logits(scale, soft_cap),
                       mask(ranges, n_blocks, q_seg, kv_seg, causal, win_left, win_right)};
   return dq != nullptr ? jflash::launch_dq(p, H, nullptr) : jflash::launch_dkdv(p, H, nullptr);
 }

@@ -8,6 +8,7 @@
 //   Visibility of (query i, key j): j < kv_len, and i >= j when causal (top-left aligned
 //   also when T != S), i - left <= j <= i + right with a window, equal segment ids.
 //   Rows i >= q_len give zeros and lse = -inf.
+//   Logits: scale * q.k, or with a soft cap c > 0 (Gemma 2) c * tanh(scale * q.k / c).
 //
 // Masks reach the kernels as data: a ranges table [B, n_blocks, 8] int32 per (batch,
 // block) (lo, full_lo, full_hi, hi, q_len, kv_len, 0, 0), built by the caller from the
@@ -187,6 +188,71 @@ __device__ __forceinline__ bool visible(const MaskParams& m, int b, int T, int S
   return col >= w.lo && col < w.hi && same_segment(m, b, T, S, row, col);
 }
 
+// How a raw product s = q.k becomes a logit. The softmax runs in base 2 (exp2 is one
+// instruction), so the kernels take the logit times log2 e, and the backward the
+// derivative of the natural logit with respect to s, which multiplies dS.
+struct Logits {
+  float scale;           // d logit / d s without a soft cap
+  float scale_log2;      // scale * log2 e
+  float cap;             // soft cap, 0: none
+  float cap_log2;        // cap * log2 e
+  float scale_over_cap;  // scale / cap
+};
+
+inline Logits make_logits(float scale, float cap) {
+  return Logits{scale, scale * kLog2e, cap, cap * kLog2e, cap > 0.f ? scale / cap : 0.f};
+}
+
+// tanh from one exp2 (gfx906 has no tanh instruction): 1 - 2 / (2^(2x log2 e) + 1).
+// Exactly +-1 where the exp2 overflows to inf or underflows to 0, NaN for NaN; near 0
+// its absolute error is a float32 rounding (the cap multiplies it, as tanh's own would).
+__device__ __forceinline__ float tanh_exp2(float x) {
+  return 1.f - 2.f / (exp2f(x * (2.f * kLog2e)) + 1.f);
+}
+
+// A tile of raw products s -> their base-2 logits, in place. The cap is tested once per
+// tile, not per element: the compiler keeps a uniform branch inside unrolled element
+// loops, and the uncapped loop stays one multiply per element.
+template <int R, int C>
+__device__ __forceinline__ void logits2(const Logits& l, float (&s)[R][C]) {
+  if (l.cap == 0.f) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int j = 0; j < C; ++j) s[i][j] *= l.scale_log2;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) s[i][j] = l.cap_log2 * tanh_exp2(s[i][j] * l.scale_over_cap);
+}
+
+// The same, and `slope` = d logit / d s of each: scale, or under a soft cap c
+// d/ds c tanh(scale s / c) = scale (1 - tanh^2), the factor dS carries.
+template <int R, int C>
+__device__ __forceinline__ void logits2_slopes(const Logits& l, float (&s)[R][C],
+                                               float (&slope)[R][C]) {
+  if (l.cap == 0.f) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        s[i][j] *= l.scale_log2;
+        slope[i][j] = l.scale;
+      }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      const float t = tanh_exp2(s[i][j] * l.scale_over_cap);
+      s[i][j] = l.cap_log2 * t;
+      slope[i][j] = l.scale * (1.f - t * t);
+    }
+}
+
 struct FwdParams {
   const uint16_t* q;
   const uint16_t* k;
@@ -194,7 +260,7 @@ struct FwdParams {
   uint16_t* out;
   float* lse;
   int B, T, S, N, KH;
-  float scale_log2;  // scale * log2(e): softmax in base 2, exp2 is one instruction
+  Logits logits;
   MaskParams mask;
 };
 
@@ -312,6 +378,7 @@ __device__ __forceinline__ void key_tile(FwdState<FwdTile<D, TILE>>& st, const F
 #pragma unroll
     for (int j = 0; j < Tl::KC; ++j) s[i][j] = 0.f;
   mm_tile<Tl::BQ, Tl::BK, D, Tl::NT>(s, qs, Tl::QS, kps, Tl::QS);
+  logits2(p.logits, s);
 
   // -- update m_i and l_i; alpha = exp2(m_old - m_new) rescales what was summed so far
 #pragma unroll
@@ -321,7 +388,7 @@ __device__ __forceinline__ void key_tile(FwdState<FwdTile<D, TILE>>& st, const F
     const KeyInterval w = MASK ? key_interval(p.mask, row, kv_len) : KeyInterval{0, 0};
 #pragma unroll
     for (int j = 0; j < Tl::KC; ++j) {
-      float x = s[i][j] * p.scale_log2;
+      float x = s[i][j];
       if (MASK) {  // boundary tile only
         const int col = j0 + lane + Tl::TPR * j;
         const bool ok = col >= w.lo && col < w.hi && same_segment(p.mask, b, p.T, p.S, row, col);
@@ -472,18 +539,18 @@ struct BwdParams {
   float* dk;           // [B, S, K, H]
   float* dv;           // [B, S, K, H]
   int B, T, S, N, KH;
-  float scale;
+  Logits logits;
   MaskParams mask;     // ranges per query tile (dQ) or per key tile (dK/dV)
 };
 
-// lse in base 2 as the backward subtracts it: P = exp2(s * scale * log2 e - lse2).
+// lse in base 2 as the backward subtracts it: P = exp2(base-2 logit - lse2).
 // A row that the masks empty has lse = -inf and must give P = 0: it becomes +inf. A
 // NaN lse stays NaN, so a NaN of the forward reaches the gradients.
 __device__ __forceinline__ float lse_base2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
-// dQ = sum over key tiles of dS K * scale, dS = P * (dP - delta), dP = dO V^T.
+// dQ = sum over key tiles of dS K, dS = P * (dP - delta) * d logit / d s, dP = dO V^T.
 // gfx906 has no fp32 global atomic add, so dQ has its own kernel (grid over query
 // tiles) instead of being accumulated by the dK/dV blocks.
 template <int D>
@@ -507,7 +574,6 @@ flash_bwd_dq_kernel(BwdParams p) {
   const uint16_t* k = p.k + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
   const uint16_t* v = p.v + (int64_t)b * p.S * kv_row + (int64_t)kh * D;
   const Range rg = block_range(p.mask, b, qtile, (p.S + Tl::BKV - 1) / Tl::BKV, p.T, p.S);
-  const float scale_log2 = p.scale * kLog2e;
 
   load_rows<D, Tl::NT>(qs, Tl::DS, p.q + q_off, q_row, i0, Tl::BQ, p.T);
   load_rows<D, Tl::NT>(dos, Tl::DS, p.dout + q_off, q_row, i0, Tl::BQ, p.T);
@@ -535,6 +601,8 @@ flash_bwd_dq_kernel(BwdParams p) {
       for (int j = 0; j < KP; ++j) s[i][j] = dp[i][j] = 0.f;
     mm_tile<Tl::BQ, Tl::BKV, D, Tl::NT>(s, qs, Tl::DS, ks, Tl::DS);
     mm_tile<Tl::BQ, Tl::BKV, D, Tl::NT>(dp, dos, Tl::DS, vs, Tl::DS);
+    float slope[RP][KP];
+    logits2_slopes(p.logits, s, slope);
     const bool masked = jt < rg.full_lo || jt >= rg.full_hi;
 #pragma unroll
     for (int i = 0; i < RP; ++i) {
@@ -543,10 +611,10 @@ flash_bwd_dq_kernel(BwdParams p) {
 #pragma unroll
       for (int j = 0; j < KP; ++j) {
         const int col = j0 + lane + 16 * j;
-        float pr = exp2f(s[i][j] * scale_log2 - lse2[i]);
+        float pr = exp2f(s[i][j] - lse2[i]);
         if (masked && !(col >= w.lo && col < w.hi && same_segment(p.mask, b, p.T, p.S, row, col)))
           pr = 0.f;
-        dss[(g + NG * i) * Tl::KTS + lane + 16 * j] = jf_f2h(pr * (dp[i][j] - delta[i]) * p.scale);
+        dss[(g + NG * i) * Tl::KTS + lane + 16 * j] = jf_f2h(pr * (dp[i][j] - delta[i]) * slope[i][j]);
       }
     }
     __syncthreads();
@@ -567,8 +635,8 @@ flash_bwd_dq_kernel(BwdParams p) {
 
 // dK, dV of one key tile of one key/value head: a runtime loop over the query heads
 // of its GQA group and over the query tiles the ranges give, P^T recomputed from lse.
-//   S^T = K Q^T, P^T = exp2(S^T scale log2 e - lse2), dP^T = V dO^T,
-//   dS^T = P^T * (dP^T - delta), dV += P^T dO, dK += dS^T Q * scale.
+//   S^T = K Q^T, P^T = exp2(base-2 logits of S^T - lse2), dP^T = V dO^T,
+//   dS^T = P^T * (dP^T - delta) * d logit / d s, dV += P^T dO, dK += dS^T Q.
 // Q and dO are read row-major for S^T and dP^T, then reloaded transposed over the same
 // LDS for the two products that contract over query rows (LDS holds one at a time).
 template <int D>
@@ -591,7 +659,6 @@ flash_bwd_dkdv_kernel(BwdParams p) {
   const int64_t q_row = (int64_t)p.N * D, kv_row = (int64_t)p.KH * D;
   const int64_t kv_off = (int64_t)b * p.S * kv_row + (int64_t)kh * D;
   const Range rg = block_range(p.mask, b, ktile, (p.T + Tl::BQ - 1) / Tl::BQ, p.T, p.S);
-  const float scale_log2 = p.scale * kLog2e;
 
   load_rows<D, Tl::NT>(ks, Tl::DS, p.k + kv_off, kv_row, j0, Tl::BKV, p.S);
   load_rows<D, Tl::NT>(vs, Tl::DS, p.v + kv_off, kv_row, j0, Tl::BKV, p.S);
@@ -623,17 +690,19 @@ flash_bwd_dkdv_kernel(BwdParams p) {
         for (int j = 0; j < QP; ++j) st[i][j] = dpt[i][j] = 0.f;
       mm_tile<Tl::BKV, Tl::BQ, D, Tl::NT>(st, ks, Tl::DS, qreg, Tl::DS);
       mm_tile<Tl::BKV, Tl::BQ, D, Tl::NT>(dpt, vs, Tl::DS, doreg, Tl::DS);
+      float slope[RP][QP];
+      logits2_slopes(p.logits, st, slope);
       const bool masked = it < rg.full_lo || it >= rg.full_hi;
 #pragma unroll
       for (int i = 0; i < RP; ++i)
 #pragma unroll
         for (int j = 0; j < QP; ++j) {
           const int c = lane + 16 * j, col = j0 + g + NG * i, row = i0 + c;
-          float pr = exp2f(st[i][j] * scale_log2 - lse_s[c]);
+          float pr = exp2f(st[i][j] - lse_s[c]);
           if (masked && !visible(p.mask, b, p.T, p.S, row, col, rg.kv_len)) pr = 0.f;
           const int at = (g + NG * i) * Tl::QTS + c;
           pts[at] = jf_f2h(pr);
-          dsts[at] = jf_f2h(pr * (dpt[i][j] - delta_s[c]) * p.scale);
+          dsts[at] = jf_f2h(pr * (dpt[i][j] - delta_s[c]) * slope[i][j]);
         }
       __syncthreads();  // every wave is done with Q and dO row-major
       load_transposed<D, Tl::BQ, Tl::NT>(qreg, Tl::QTS, q, q_row, i0, p.T);
@@ -821,6 +890,13 @@ static ffi::Error mask_params(const char* op, const Dims& d, const Lead& lead,
   return ffi::Error::Success();
 }
 
+static ffi::Error check_logits(const char* op, float scale, float soft_cap) {
+  if (!std::isfinite(scale)) return invalid(op, "scale must be finite");
+  if (!std::isfinite(soft_cap) || soft_cap < 0.f)
+    return invalid(op, "soft_cap must be finite and >= 0 (0: none), got " + std::to_string(soft_cap));
+  return ffi::Error::Success();
+}
+
 static ffi::Error launched(const char* op, gpuError_t err) {
   if (err != gpuSuccess)
     return ffi::Error::Internal(std::string(op) + ": kernel launch failed: " + gpuGetErrorString(err));
@@ -830,14 +906,15 @@ static ffi::Error launched(const char* op, gpuError_t err) {
 static ffi::Error FlashFwdImpl(gpuStream_t stream, F16 q, F16 k, F16 v, S32 ranges, S32 q_seg,
                                S32 kv_seg, ffi::Result<F16> out, ffi::Result<F32> lse,
                                float scale, bool is_causal, int32_t window_left,
-                               int32_t window_right, bool has_segments, int32_t tile) {
+                               int32_t window_right, bool has_segments, float soft_cap,
+                               int32_t tile) {
   const char* op = "jflash_flash_fwd";
   Dims d;
   if (auto e = qkv_dims(op, q.dimensions(), k.dimensions(), v.dimensions(), &d); e.failure()) return e;
   const auto lead = lead_of(q.dimensions(), 3);
   if (auto e = expect_shape(op, "out", out->dimensions(), lead, {d.T, d.N, d.H}); e.failure()) return e;
   if (auto e = expect_shape(op, "lse", lse->dimensions(), lead, {d.N, d.T}); e.failure()) return e;
-  if (!std::isfinite(scale)) return invalid(op, "scale must be finite");
+  if (auto e = check_logits(op, scale, soft_cap); e.failure()) return e;
   if (tile < 0 || tile >= kNumTiles)
     return invalid(op, "tile must be in [0, " + std::to_string(kNumTiles) + "), got " +
                            std::to_string(tile));
@@ -854,7 +931,7 @@ static ffi::Error FlashFwdImpl(gpuStream_t stream, F16 q, F16 k, F16 v, S32 rang
   p.q = q.typed_data(); p.k = k.typed_data(); p.v = v.typed_data();
   p.out = out->typed_data(); p.lse = lse->typed_data();
   p.B = (int)d.B; p.T = (int)d.T; p.S = (int)d.S; p.N = (int)d.N; p.KH = (int)d.KH;
-  p.scale_log2 = scale * kLog2e;
+  p.logits = make_logits(scale, soft_cap);
   return launched(op, launch_forward(p, (int)d.H, tile, stream));
 }
 
@@ -883,13 +960,13 @@ static ffi::Error FlashBwdDeltaImpl(gpuStream_t stream, F16 out, F16 dout, F32 d
 static ffi::Error bwd_params(const char* op, bool per_key_tile, F16 q, F16 k, F16 v, F16 dout,
                              F32 lse, F32 delta, S32 ranges, S32 q_seg, S32 kv_seg, float scale,
                              bool is_causal, int32_t window_left, int32_t window_right,
-                             bool has_segments, Dims* d, BwdParams* p) {
+                             bool has_segments, float soft_cap, Dims* d, BwdParams* p) {
   if (auto e = qkv_dims(op, q.dimensions(), k.dimensions(), v.dimensions(), d); e.failure()) return e;
   const auto lead = lead_of(q.dimensions(), 3);
   if (auto e = expect_shape(op, "dout", dout.dimensions(), lead, {d->T, d->N, d->H}); e.failure()) return e;
   if (auto e = expect_shape(op, "lse", lse.dimensions(), lead, {d->N, d->T}); e.failure()) return e;
   if (auto e = expect_shape(op, "delta", delta.dimensions(), lead, {d->N, d->T}); e.failure()) return e;
-  if (!std::isfinite(scale)) return invalid(op, "scale must be finite");
+  if (auto e = check_logits(op, scale, soft_cap); e.failure()) return e;
   if (!aligned16(q.typed_data()) || !aligned16(k.typed_data()) || !aligned16(v.typed_data()) ||
       !aligned16(dout.typed_data()))
     return invalid(op, "q, k, v and dout must be 16-byte aligned");
@@ -903,19 +980,21 @@ static ffi::Error bwd_params(const char* op, bool per_key_tile, F16 q, F16 k, F1
   p->lse = lse.typed_data(); p->delta = delta.typed_data();
   p->dq = p->dk = p->dv = nullptr;
   p->B = (int)d->B; p->T = (int)d->T; p->S = (int)d->S; p->N = (int)d->N; p->KH = (int)d->KH;
-  p->scale = scale;
+  p->logits = make_logits(scale, soft_cap);
   return ffi::Error::Success();
 }
 
 static ffi::Error FlashBwdDqImpl(gpuStream_t stream, F16 q, F16 k, F16 v, F16 dout, F32 lse,
                                  F32 delta, S32 ranges, S32 q_seg, S32 kv_seg,
                                  ffi::Result<F32> dq, float scale, bool is_causal,
-                                 int32_t window_left, int32_t window_right, bool has_segments) {
+                                 int32_t window_left, int32_t window_right, bool has_segments,
+                                 float soft_cap) {
   const char* op = "jflash_flash_bwd_dq";
   Dims d;
   BwdParams p;
   if (auto e = bwd_params(op, false, q, k, v, dout, lse, delta, ranges, q_seg, kv_seg, scale,
-                          is_causal, window_left, window_right, has_segments, &d, &p); e.failure())
+                          is_causal, window_left, window_right, has_segments, soft_cap, &d, &p);
+      e.failure())
     return e;
   const auto lead = lead_of(q.dimensions(), 3);
   if (auto e = expect_shape(op, "dq", dq->dimensions(), lead, {d.T, d.N, d.H}); e.failure()) return e;
@@ -927,12 +1006,13 @@ static ffi::Error FlashBwdDkdvImpl(gpuStream_t stream, F16 q, F16 k, F16 v, F16 
                                    F32 delta, S32 ranges, S32 q_seg, S32 kv_seg,
                                    ffi::Result<F32> dk, ffi::Result<F32> dv, float scale,
                                    bool is_causal, int32_t window_left, int32_t window_right,
-                                   bool has_segments) {
+                                   bool has_segments, float soft_cap) {
   const char* op = "jflash_flash_bwd_dkdv";
   Dims d;
   BwdParams p;
   if (auto e = bwd_params(op, true, q, k, v, dout, lse, delta, ranges, q_seg, kv_seg, scale,
-                          is_causal, window_left, window_right, has_segments, &d, &p); e.failure())
+                          is_causal, window_left, window_right, has_segments, soft_cap, &d, &p);
+      e.failure())
     return e;
   const auto lead = lead_of(q.dimensions(), 3);
   if (auto e = expect_shape(op, "dk", dk->dimensions(), lead, {d.S, d.KH, d.H}); e.failure()) return e;
@@ -949,7 +1029,8 @@ static ffi::Error FlashBwdDkdvImpl(gpuStream_t stream, F16 q, F16 k, F16 v, F16 
       .Attr<bool>("is_causal")        /* query i sees keys j <= i (top-left) */    \
       .Attr<int32_t>("window_left")   /* i - left <= j, or -1: no window */        \
       .Attr<int32_t>("window_right")  /* j <= i + right, or -1 */                  \
-      .Attr<bool>("has_segments")     /* read q_/kv_segment_ids */
+      .Attr<bool>("has_segments")     /* read q_/kv_segment_ids */                 \
+      .Attr<float>("soft_cap")        /* logits -> cap tanh(logits / cap), 0: none */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JflashFlashFwd, jflash::FlashFwdImpl,
