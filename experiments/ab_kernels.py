@@ -151,6 +151,9 @@ def main(argv=None):
       flops = case.flops(mode)
       row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds,
              "implementation": args.implementation}
+      failed = {label: t["error"] for label, t in times.items() if "error" in t}
+      if failed:
+        raise RuntimeError(f"{case.name} {mode}: timing failed: {failed}")
       median = {label: t["median_s"] for label, t in times.items()}
       for label, t in median.items():
         row[label] = round(flops / t / 1e12, 1)

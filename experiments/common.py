@@ -145,8 +145,9 @@ def _round(fn, sets, calls: int, sync) -> float:
 
 
 def _summary(times, calls: int) -> dict:
+  """A program's record: the median over rounds of seconds per call, and the rounds."""
   return {"median_s": statistics.median(times), "min_s": min(times), "rounds": len(times),
-          "calls_per_round": calls, "round_s": times}
+          "calls_per_round": calls, "s_by_round": times}
 
 
 def time_calls(fn, sets=((),), *, rounds: int = 5, round_s: float = 0.0, warmup: int = 1,
@@ -161,37 +162,66 @@ def time_calls(fn, sets=((),), *, rounds: int = 5, round_s: float = 0.0, warmup:
   return _summary([_round(fn, sets, calls, sync) for _ in range(rounds)], calls)
 
 
+def round_order(labels, r: int) -> list:
+  """The programs' order in round r: rotated by r // 2, and reversed in odd rounds, so
+  that over the rounds each program runs first and last alike and after each of the
+  others (two programs: A B, B A, B A, A B, ...)."""
+  k = (r // 2) % len(labels)
+  order = list(labels[k:]) + list(labels[:k])
+  return order[::-1] if r % 2 else order
+
+
 def time_alternating(programs: dict, *, rounds: int = 7, round_s: float = 0.05,
                      warm_s: float = 1.0, warmup: int = 2) -> dict:
   """Seconds per call of several compiled programs compared with each other:
-  {label: (fn, sets, sync)} -> {label: time_calls' record}.
+  {label: (fn, sets, sync)} -> {label: time_calls' record, or {"error": text} for a
+  program that raised (it leaves the rounds; the others go on)}.
 
-  An H200 running attention back to back sits at its power limit, its SM clock set by
-  the energy drawn (1440-1980 MHz under load, 1980 idle; `gpu_clocks_*_h200.csv`):
-  after an idle stretch (a compile) a program starts at the boost clock and slows as
-  the draw reaches the cap. Timed one after another in short bursts, two programs see
-  different clocks: the same kernels moved 8% between two runs of the table while
-  cuDNN beside them moved 0-3%.
+  An H200 running attention back to back is held at its power limit, its SM clock set
+  by the energy drawn: 1440-1980 MHz (mean 1852) in the samples drawing over 400 W
+  beside a backward comparison (`gpu_clocks_backward_variants_h200.csv`), 1980 idle,
+  while the benchmark tables' samples, which fell mostly between their short rounds,
+  dipped to 1620-1725 MHz (`gpu_clocks_bench_a_*_h200.csv`). After an idle stretch (a
+  compile) a program starts at the boost clock and slows as the draw reaches the cap.
+  Timed one after another in short bursts, two programs see different clocks: the same
+  kernels moved 8% between two runs of the table while cuDNN beside them moved 0-3%.
   So every program is timed under the same sustained load: first `warm_s` seconds of
   back-to-back calls cycling through all programs (the load a training step holds),
   then `rounds` rounds in which each program runs its calls back to back (`round_s`
-  long), in an order rotated every round so that no program always follows the same
-  one. The median over rounds of each program is its time; the rounds are kept
-  (`round_s`) so a ratio can be read round by round too."""
-  labels = list(programs)
-  calls = {n: _calls_for(*programs[n][:2], warmup, round_s, programs[n][2])[0]
-           for n in labels}
+  long), in the order `round_order` gives. The median over rounds of each program is
+  its time; the rounds are kept (`s_by_round`) so a ratio can be read round by round
+  too."""
+  records, live, calls = {}, [], {}
+  for n, (fn, sets, sync) in programs.items():
+    try:
+      calls[n] = _calls_for(fn, sets, warmup, round_s, sync)[0]
+      live.append(n)
+    except Exception as e:
+      records[n] = {"error": f"{type(e).__name__}: {e}"}
+  times = {n: [] for n in live}
+
+  def run(n, record):
+    fn, sets, sync = programs[n]
+    try:
+      t = _round(fn, sets, calls[n], sync)
+    except Exception as e:
+      records[n] = {"error": f"{type(e).__name__}: {e}"}
+      live.remove(n)
+      return
+    if record:
+      times[n].append(t)
+
   t_end = time.perf_counter() + warm_s
-  while labels and time.perf_counter() < t_end:
-    for n in labels:
-      fn, sets, sync = programs[n]
-      _round(fn, sets, calls[n], sync)
-  times = {n: [] for n in labels}
+  while live and time.perf_counter() < t_end:
+    for n in list(live):
+      run(n, record=False)
   for r in range(rounds):
-    for n in labels[r % len(labels):] + labels[:r % len(labels)]:
-      fn, sets, sync = programs[n]
-      times[n].append(_round(fn, sets, calls[n], sync))
-  return {n: _summary(times[n], calls[n]) for n in labels}
+    for n in round_order(list(live), r) if live else ():
+      if n in live:
+        run(n, record=True)
+  for n in live:
+    records[n] = _summary(times[n], calls[n])
+  return {n: records[n] for n in programs}
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:

@@ -241,8 +241,8 @@ def time_together(fns, args_of, flops, rounds, row, check=None):
   """TF/s of every program of `fns` {label: jitted} into row["tflops"], timed together
   (`common.time_alternating`: the same sustained load, alternating rounds of >= 0.2 s);
   `args_of(label)` is its argument tuple. Each program's first call (its compile,
-  row["compile_s"]) goes to `check(label, out)`; a program that fails it is recorded
-  under row["errors"] and left out."""
+  row["compile_s"]) goes to `check(label, out)`; a program that fails it, or fails
+  while timed, is recorded under row["errors"] (the others are still timed)."""
   ok = {}
   for label, fn in fns.items():
     try:
@@ -257,7 +257,11 @@ def time_together(fns, args_of, flops, rounds, row, check=None):
       row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:1500]
   times = common.time_alternating(ok, rounds=rounds, round_s=0.2) if ok else {}
   for label, t in times.items():
-    row["tflops"][label] = round(flops / t["median_s"] / 1e12, 1)
+    if "error" in t:
+      row["tflops"][label] = None
+      row.setdefault("errors", {})[label] = t["error"][:1500]
+    else:
+      row["tflops"][label] = round(flops / t["median_s"] / 1e12, 1)
 
 
 def forward_fns(causal, peers):

@@ -153,9 +153,16 @@ def check_inputs(q, k, v, *, scale, is_causal, tile, window=None, soft_cap=None,
     raise ValueError(f"is_causal={is_causal!r} must be a bool")
   if not math.isfinite(float(scale)):
     raise ValueError(f"scale={scale!r} must be finite")
-  if soft_cap is not None and not (isinstance(soft_cap, (int, float, np.floating, np.integer))
-                                   and math.isfinite(float(soft_cap)) and soft_cap > 0):
-    raise ValueError(f"soft_cap={soft_cap!r} must be None or a finite number > 0")
+  if soft_cap is not None:
+    # The kernels take the cap and scale / cap in float32, where 0 means "no cap".
+    tiny, most = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if (isinstance(soft_cap, (bool, np.bool_))
+        or not isinstance(soft_cap, (int, float, np.floating, np.integer))
+        or not tiny <= float(soft_cap) <= most):
+      raise ValueError(f"soft_cap={soft_cap!r} must be None or a number in "
+                       f"[{tiny:.3g}, {most:.3g}] (float32, normal)")
+    if not abs(float(scale)) / float(soft_cap) <= most:
+      raise ValueError(f"scale / soft_cap = {scale!r} / {soft_cap!r} overflows float32")
   if window is not None and not (len(window) == 2 and all(
       isinstance(w, (int, np.integer)) and 0 <= w < 2**31 for w in window)):
     raise ValueError(f"window={window!r} must be a (left, right) pair of ints >= 0")

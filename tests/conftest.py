@@ -4,6 +4,16 @@ import sys
 
 import pytest
 
+# XLA's CPU client runs host callbacks on its Eigen thread pool, one thread per core
+# unless PJRT_NPROC says otherwise. Mosaic GPU's interpreter runs each warpgroup (and
+# each program of a persistent grid) as its own computation whose barrier waits are
+# callbacks that block their thread: with two cores, two blocked waits can hold the
+# whole pool while the warpgroup that would release them waits for a thread (seen as
+# an intermittent hang of the interpreted persistent-grid test on a loaded two-core
+# machine: 1 run of 4, none of 6 with a larger pool). Every test process and the
+# scripts it starts get a pool larger than the most waits a test holds at once.
+os.environ.setdefault("PJRT_NPROC", "16")
+
 # The repository root on sys.path so tests can import `tests.*` and `experiments.*`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

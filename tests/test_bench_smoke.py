@@ -35,10 +35,10 @@ def test_quick_cpu_smoke(tmp_path):
     assert ROW_KEYS <= set(r), r
     assert r["status"] == "ok", r
     assert r["tflops"] > 0 and r["ms"] > 0
-    assert len(r["round_ms"]) == 2   # the smoke's rounds, timed alongside the cell's peers
-  for (key, mode), cell in report.by_cell(rows).items():
-    assert len({r["timing_group"] for r in cell.values()}) == 1, (key, mode)
+    assert len(r["ms_by_round"]) == 2   # the smoke's rounds, timed alongside the cell's peers
     assert r["ref"] == "xla" and r["rel_err"] <= 2e-2  # bf16 chunked vs bf16 dense
+  for (key, mode), cell in report.by_cell(rows).items():
+    assert len({c["timing_group"] for c in cell.values()}) == 1, (key, mode)
   assert data["memory"] and all("temp_size_in_bytes" in m for m in data["memory"])
   assert data["environment"]["backend"] == "cpu"
   assert "jflash / peer" in out
@@ -111,8 +111,8 @@ def test_report_joins_runs_and_evaluates_targets(tmp_path):
 
 
 def test_round_ratios_pair_the_rounds_two_peers_were_timed_in():
-  mine = {"round_ms": [2.0, 4.0, 5.0], "timing_group": "a"}
-  peer = {"round_ms": [3.0, 4.0, 4.0], "timing_group": "a"}
+  mine = {"ms_by_round": [2.0, 4.0, 5.0], "timing_group": "a"}
+  peer = {"ms_by_round": [3.0, 4.0, 4.0], "timing_group": "a"}
   assert report.round_ratios(mine, peer) == [1.5, 1.0, 0.8]   # peer's time over jflash's
   # Rounds timed apart (another cell, another process) are not paired.
   assert report.round_ratios(mine, dict(peer, timing_group="b")) is None

@@ -402,14 +402,33 @@ def test_alternating_timing_gives_identical_programs_identical_times(monkeypatch
   times = common.time_alternating({"a": card.program("a"), "b": card.program("b")},
                                   rounds=5, round_s=4.0, warm_s=40.0)
   assert times["a"]["median_s"] == times["b"]["median_s"] == card.hot
-  assert times["a"]["round_s"] == [card.hot] * 5 and times["a"]["calls_per_round"] == 4
+  assert times["a"]["s_by_round"] == [card.hot] * 5 and times["a"]["calls_per_round"] == 4
 
 
-def test_alternating_timing_rotates_which_program_goes_first(monkeypatch):
+def test_alternating_timing_balances_the_order_of_the_programs(monkeypatch):
   from experiments import common
   card = PowerCappedCard()
   monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
   programs = {n: card.program(n) for n in "abc"}
-  common.time_alternating(programs, rounds=3, round_s=1.0, warm_s=0.0, warmup=1)
-  # One estimating call each, then each round's calls in a rotated order.
-  assert "".join(card.calls) == "abc" + "abc" + "bca" + "cab"
+  common.time_alternating(programs, rounds=6, round_s=1.0, warm_s=0.0, warmup=1)
+  # One estimating call each, then each round's calls: rotated, every other round reversed.
+  assert "".join(card.calls) == "abc" + "abc" + "cba" + "bca" + "acb" + "cab" + "bac"
+  assert "".join("".join(common.round_order("ab", r)) for r in range(4)) == "abbabaab"
+
+
+def test_a_program_that_fails_while_timed_leaves_the_others_timed(monkeypatch):
+  from experiments import common
+  card = PowerCappedCard()
+  monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
+  calls = []
+
+  def flaky():
+    card.now += 1.0
+    calls.append(1)
+    if len(calls) > 3:          # its estimate and two rounds, then the third round
+      raise RuntimeError("device lost")
+  times = common.time_alternating({"a": card.program("a"), "b": (flaky, ((),), lambda o: o)},
+                                  rounds=4, round_s=1.0, warm_s=0.0, warmup=1)
+  assert times["b"] == {"error": "RuntimeError: device lost"}
+  assert times["a"]["rounds"] == 4
+  assert common.time_alternating({}) == {}

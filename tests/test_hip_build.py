@@ -184,6 +184,18 @@ def test_lowers_to_the_custom_call_for_rocm(rocm_lib, H, is_causal):
   assert "scale = 2.500000e-01 : f32" in call
   assert "tile = 0 : i32" in call and "has_segments = false" in call
   assert "window_left = -1 : i32" in call
+  assert "soft_cap = 0.000000e+00 : f32" in call
+
+
+def test_soft_cap_reaches_every_kernel_as_an_attribute(rocm_lib):
+  q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float16)
+  fn = lambda q, k, v: jax.grad(lambda q, k, v: jflash.attention(
+      q, k, v, implementation="hip", logits_soft_cap=2.5).astype(jnp.float32).sum(),
+      argnums=(0, 1, 2))(q, k, v)
+  text = _lower_rocm(fn, q, q, q)
+  for op in ("forward", "dq", "dkdv"):
+    (call,) = _calls(text, TARGET[op])
+    assert "soft_cap = 2.500000e+00 : f32" in call, op
 
 
 def test_tile_attribute_follows_config(rocm_lib):
@@ -260,9 +272,13 @@ _R = jnp.zeros((1, 1, 8), jnp.int32)
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"window": (3, -1)}, "window=(3, -1)"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": 0.0}, "soft_cap=0.0"),
     (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": float("inf")}, "soft_cap=inf"),
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": 1e-50}, "soft_cap=1e-50"),
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": True}, "soft_cap=True"),
+    (_aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), _aval((1, 8, 2, 64)), {"soft_cap": 1e-30, "scale": 1e10}, "scale / soft_cap"),
     (_aval((1, 8, 65536, 64)), _aval((1, 8, 1, 64)), _aval((1, 8, 1, 64)), {}, "<= 65535"),
 ], ids=["q-f32", "k-bf16", "rank", "gqa", "head-dim", "k-v", "batch", "tile", "scale", "causal",
-        "window", "soft-cap-0", "soft-cap-inf", "grid"])
+        "window", "soft-cap-0", "soft-cap-inf", "soft-cap-tiny", "soft-cap-bool",
+        "scale-over-cap", "grid"])
 def test_raw_op_rejects_bad_inputs_before_the_call(q, k, v, kw, match):
   args = {"scale": 0.125, "is_causal": False, "tile": 0, **kw}
   with pytest.raises(ValueError, match=re.escape(match)):

@@ -111,7 +111,7 @@ def round_ratios(mine, peer) -> list[float] | None:
   alternating rounds (`experiments.common.time_alternating`): the spread of the ratio
   within one run."""
   mine, peer = mine or {}, peer or {}
-  a, b = mine.get("round_ms"), peer.get("round_ms")
+  a, b = mine.get("ms_by_round"), peer.get("ms_by_round")
   if not a or not b or mine.get("timing_group") != peer.get("timing_group"):
     return None
   return [round(y / x, 4) for x, y in zip(a, b)]

@@ -1,4 +1,5 @@
-"""Checks, then times, one (peer, case, mode); serves the grid, the sweep and the masks.
+"""Checks every peer of a (case, mode), then times the checked ones together; serves the
+grid, the block sweep (a kernel's tile candidates) and the masks.
 
 Modes: "fwd" (the output), "fwd+bwd" (gradients of sum(out * dout) w.r.t. q, k, v, as in
 training) and "bwd" (the pullback alone, on one fixed set of residuals; the sweep's
@@ -178,13 +179,6 @@ class Runner:
       self._refs.pop((case, mode), None)
     return rows
 
-  def run_one(self, peer: Peer, case: Case, mode: str, ref=None) -> dict:
-    """One row: checked against `ref` (default: this runner's reference), then timed."""
-    row, got = self.check_one(peer, case, mode, ref)
-    if got is not None:
-      self.time_rows(case, [(row, got)])
-    return row
-
   def check_one(self, peer: Peer, case: Case, mode: str, ref=None) -> tuple[dict, dict | None]:
     """(row, compiled call) of one peer, the call None where the row is final: skipped,
     unavailable, failed, or wrong against `ref` (a wrong result is not timed)."""
@@ -235,26 +229,25 @@ class Runner:
     return row, None
 
   def time_rows(self, case: Case, checked):
-    """Times the compiled calls of `checked` [(row, call)] of `case` in alternating
-    rounds and fills in their rows; a failure while timing fails every row of the group."""
+    """Times the compiled calls of `checked` [(row, call)] of `case` together
+    (`common.time_alternating`) and fills in their rows; a call that raises while
+    timed fails its own row only."""
     if not checked:
       return
-    programs = {row["peer"]: (got["fn"], got["sets"], got["sync"]) for row, got in checked}
-    try:
-      times = common.time_alternating(programs, rounds=self.rounds, round_s=self.round_s,
-                                      warm_s=self.warm_s)
-    except Exception as e:
-      for row, _ in checked:
-        row.update(status="error", error=f"timing: {err_text(e)}")
-        common.log(f"{_tag(row)} ERROR timing: {row['error'][:160]}")
-      return
+    programs = {i: (got["fn"], got["sets"], got["sync"]) for i, (_, got) in enumerate(checked)}
+    times = common.time_alternating(programs, rounds=self.rounds, round_s=self.round_s,
+                                    warm_s=self.warm_s)
     group = uuid.uuid4().hex[:12]   # which rows' rounds were timed together
-    for row, _ in checked:
-      t = times[row["peer"]]
+    for i, (row, _) in enumerate(checked):
+      t = times[i]
+      if "error" in t:
+        row.update(status="error", error=f"timing: {t['error']}")
+        common.log(f"{_tag(row)} ERROR timing: {row['error'][:160]}")
+        continue
       sec = t["median_s"]
       row.update(ms=sec * 1e3, tflops=case.flops(row["mode"]) / sec / 1e12,
                  calls_per_round=t["calls_per_round"],
-                 round_ms=[round(x * 1e3, 4) for x in t["round_s"]], timing_group=group)
+                 ms_by_round=[round(x * 1e3, 4) for x in t["s_by_round"]], timing_group=group)
       err_txt = "unchecked" if row["rel_err"] is None else f"rel_err={row['rel_err']:.1e}"
       common.log(f"{_tag(row)} {row['tflops']:7.2f} TF/s {row['ms']:9.3f} ms  {err_txt}"
                  f" (first call {row['first_call_s']:.1f}s)")

@@ -2,7 +2,8 @@
 
 Each candidate sets one kernel's tile fields (specs.SWEPT_FIELDS) and keeps the others at
 jflash's table; the forward is timed as "fwd", the dK/dV and dQ kernels as "bwd" (the
-pullback alone). Every candidate goes through the runner: checked, then timed.
+pullback alone). Every candidate goes through the runner: checked, and then the checked
+candidates of one (case, kernel) timed together (`Runner.time_rows`).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def run_sweep(runner: Runner, impl: str, cases, passes, budget_s: float,
       ref = runner.reference(case, mode)
       slot_end = time.perf_counter() + max(0.0, end - time.perf_counter()) / slots_left
       slots_left -= 1
-      slot = []
+      slot, checked = [], []
       for i, cand in enumerate((None,) + tuple(cands)):  # None: jflash's own table
         tiles = None if cand is None else candidate_tiles(pass_, cand, d)
         swept = "default" if cand is None else dict(zip(specs.SWEPT_FIELDS[pass_], cand))
@@ -57,10 +58,14 @@ def run_sweep(runner: Runner, impl: str, cases, passes, budget_s: float,
                            error=f"share of the sweep budget ({budget_s:.0f} s) spent", **extra))
           continue
         peer = jflash_peer(impl, tag=f"{pass_}{i}", tiles=tiles)
-        row = runner.run_one(peer, case, mode, ref)
+        row, got = runner.check_one(peer, case, mode, ref)
         row.update(extra)
-        common.log(f"sweep {case.key()} {pass_:3s} {fmt_swept(swept)}: {row['status']}")
         slot.append(row)
+        if got is not None:
+          checked.append((row, got))
+      runner.time_rows(case, checked)   # the slot's candidates timed together
+      for row in slot:
+        common.log(f"sweep {case.key()} {pass_:3s} {fmt_swept(row['swept'])}: {row['status']}")
       rows += slot
       ok = [r for r in slot if r["ms"] is not None]
       if ok:
