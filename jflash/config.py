@@ -167,6 +167,10 @@ class MosaicGPUConfig(BackendConfig):
       shared memory).
     backward_dq_block_n: whenever the Mosaic GPU backward runs, key rows per tile of
       its dQ kernel where they differ from backward_block_n; None: the same.
+    backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
+      of its dQ kernel: 1 or 2; None: as backward_consumers, and one above head_dim
+      128 (2 there fits shared memory up to head_dim 224 with backward_dq_block_n 64;
+      not yet timed on the H200).
     backward_dq_rows_in_registers, backward_dkv_rows_in_registers: whenever the Mosaic
       GPU backward runs, its dQ kernel (dK/dV kernel) keeps the fixed Q and dO (K and V)
       rows of each consumer in registers, as the register operand of its first two
@@ -193,7 +197,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_field_names: ClassVar[dict[str, str]] = {
       "backward_block_n": "block_n", "backward_consumers": "consumers",
       "backward_fused_dq": "fused_dq", "backward_group_splits": "group_splits",
-      "backward_dq_block_n": "dq_block_n",
+      "backward_dq_block_n": "dq_block_n", "backward_dq_consumers": "dq_consumers",
       "backward_dq_rows_in_registers": "dq_rows_in_registers",
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent"}
@@ -213,6 +217,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_fused_dq: bool | None = None
   backward_group_splits: int | None = None
   backward_dq_block_n: int | None = None
+  backward_dq_consumers: int | None = None
   backward_dq_rows_in_registers: bool | None = None
   backward_dkv_rows_in_registers: bool | None = None
   backward_stages: int | None = None

@@ -264,6 +264,31 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
                       ops=MaskOperands(mask=jnp.ones((1, 1, 16, 16), bool)))
 
 
+def test_two_dq_consumers_above_head_dim_128_where_they_fit():
+  """`dq_consumers=2` at the head dims split by role runs the warp-specialised dQ kernel:
+  two consumers' Q and dO beside the K/V slots fit shared memory up to d = 224 with key
+  tiles of 64, not at d = 256; the default there stays one warpgroup."""
+  two = dict(backward="mosaic_gpu", backward_dq_consumers=2, backward_dq_block_n=64)
+  for H, fits in ((160, True), (192, True), (224, True), (256, False)):
+    q, k, v = random_qkv((1, 16, 16, 2, 1, H), jnp.bfloat16)[:3]
+    cfg, masks = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(**two))
+    config = mosaic_impl.backward_config(q, k, cfg, masks)
+    assert mb.dq_consumers_of(H, config) == 2
+    assert mb.dq_consumers_of(H, mb.BackwardConfig(consumers=2)) == 1   # the default
+    if fits:
+      mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
+    else:
+      with pytest.raises(NotImplementedError, match="shared memory"):
+        mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
+  assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
+  for fields, why in ((dict(dq_consumers=3), "dq_consumers=3"),
+                      (dict(dq_consumers=True), "dq_consumers=True"),
+                      (dict(fused_dq=True, dq_consumers=2), "dq_consumers=2"),
+                      (dict(consumers=2, persistent=True, dq_consumers=1), "dq_consumers=1")):
+    with pytest.raises(ValueError, match=why):
+      mb.BackwardConfig(**fields)
+
+
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
 
 def _lowered(H, opts, with_masks=False, config=None, T=200, S=330, N=4, K=2,
@@ -304,6 +329,19 @@ def test_lowers_off_table_head_dims(H, causal):
   config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal)
   text = _lowered(H, MaskOptions(is_causal=causal), config=config)
   assert text.count("@mosaic_gpu") == 2 and "wgmma" in text
+
+
+@pytest.mark.parametrize("H", [160, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_two_dq_consumers_above_head_dim_128(H, causal):
+  """The warp-specialised dQ kernel at head dims split by role: three warpgroups, the
+  consumers at the backward's register split."""
+  from tests.test_mosaic import _kernel_modules
+  config = mb.BackwardConfig(consumers=2, dq_consumers=2, dq_block_n=64)
+  modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))
+  assert len(modules) == 2 and all("wgmma" in m for m in modules)
+  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", modules[1]))
+  assert counts == [24, mb.CONSUMER_REGISTERS]
 
 
 @pytest.mark.parametrize("H, fields", [(80, dict(fused_dq=True)), (96, dict(group_splits=2)),
@@ -487,7 +525,8 @@ def _check_grads(got, q, k, v, do, **kw):
 
 
 @pytest.mark.parametrize("consumers,fused_dq,H", [(1, False, 64), (2, False, 64), (1, True, 64),
-                                                  (2, True, 64), (2, True, 128), (2, False, 96)])
+                                                  (2, True, 64), (2, True, 128), (2, False, 96),
+                                                  (2, False, 160)])
 def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   """Two query heads per key head (the runtime head loop), T = 70 and S = 90 (partial
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
@@ -495,12 +534,14 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
   the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed.
   fused_dq: dQ added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64
-  and 128). H = 96: a head dim off the table."""
+  and 128). H = 96: a head dim off the table; H = 160: split by role, with two dQ
+  consumers (`dq_consumers`)."""
   q, k, v, do = random_qkv((1, 70, 90, 4, 2, H), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   # three slots fit shared memory beside fused_dq's tiles at H = 64 only
-  config = mb.BackwardConfig(consumers=consumers, stages=3 if H == 64 else 2, fused_dq=fused_dq)
+  config = mb.BackwardConfig(consumers=consumers, stages=3 if H == 64 else 2, fused_dq=fused_dq,
+                             **(dict(dq_consumers=2, dq_block_n=64) if mb.by_role(H) else {}))
   got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]

@@ -37,7 +37,7 @@ does not run:
 Above head_dim 128 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
 the work by output, S^T and dK on one, dP^T and dV on the other, P^T and dP^T passing
 between them through shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup
-there.
+there unless `BackwardConfig.dq_consumers` asks for two (`dq_consumers_of`).
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
@@ -77,9 +77,8 @@ def by_role(head_dim: int) -> bool:
   dims that take d = 256's tiles (`forward.table_head_dim`: above 128) a consumer's
   dK and dV of 64 keys would take 2 x 64 x d float32 / 128 threads = d registers (256
   at d = 256, more than a thread has), so one consumer holds dK and the other dV of
-  the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup there (at
-  d = 256 two consumers' Q and dO beside two K/V slots exceed shared memory; up to
-  d = 224 two would fit, untimed)."""
+  the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup there by
+  default (`dq_consumers_of`)."""
   return table_head_dim(head_dim) == 256
 
 
@@ -147,6 +146,13 @@ class BackwardConfig:
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers, not
     with fused_dq, not at the head dims split by role. The default where it measured
     faster (`persistent_wins`).
+  dq_consumers: the dQ kernel's consumer warpgroups where they differ from
+    `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
+    split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
+    at d = 256 two consumers' Q and dO beside two K/V slots exceed shared memory). 2
+    there runs the warp-specialised dQ kernel of d <= 128 (a producer streaming K and
+    V, two consumers of 64 query rows each) where it fits shared memory (d <= 224 with
+    dq_block_n 64); correct under the interpreter, not yet timed on the H200.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -163,6 +169,7 @@ class BackwardConfig:
   fused_dq: bool = False
   group_splits: int = 1
   dq_block_n: int | None = None
+  dq_consumers: int | None = None
   dq_rows_in_registers: bool = False
   dkv_rows_in_registers: bool = False
   persistent: bool = False
@@ -185,9 +192,17 @@ class BackwardConfig:
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
         or self.group_splits < 1:
       raise ValueError(f"group_splits={self.group_splits!r} must be a positive int")
-    if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers):
-      raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r} "
-                       f"and dq_rows_in_registers={self.dq_rows_in_registers!r} are its fields")
+    if self.dq_consumers is not None and (isinstance(self.dq_consumers, bool)
+                                          or self.dq_consumers not in (1, 2)):
+      raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1 or 2")
+    if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers
+                          or self.dq_consumers is not None):
+      raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
+                       f"dq_consumers={self.dq_consumers!r} and dq_rows_in_registers="
+                       f"{self.dq_rows_in_registers!r} are its fields")
+    if self.persistent and self.dq_consumers == 1:
+      raise ValueError("persistent=True runs programs of two consumers: dq_consumers=1 "
+                       "needs persistent=False")
     if self.persistent and (self.consumers != 2 or self.fused_dq):
       raise ValueError(f"persistent=True runs programs of two consumers and a producer "
                        f"with a dQ kernel: got consumers={self.consumers}, "
@@ -214,6 +229,14 @@ class BackwardConfig:
 # 523.5 in 4 x 128 (the same file), where GQA 32/8 8K causal, 512 programs unsplit,
 # ran 500.8 against 491.8 split in four.
 CAUSAL_MIN_PROGRAMS = 512
+
+
+def dq_consumers_of(head_dim: int, config: BackwardConfig) -> int:
+  """The dQ kernel's consumer warpgroups: `dq_consumers`, or by default `consumers`,
+  and one at the head dims split by role (`BackwardConfig.dq_consumers`)."""
+  if config.dq_consumers is not None:
+    return config.dq_consumers
+  return 1 if by_role(head_dim) else config.consumers
 
 
 def dkv_keys(head_dim: int, config: BackwardConfig) -> int:
@@ -290,7 +313,8 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
   fixed 64-row tiles and the two streamed operands' slots (block_n rows in the dK/dV
-  kernel, `dq_block_n` in the dQ kernel), plus the forward's slack for barriers and
+  kernel, `dq_block_n` in the dQ kernel, whose consumers `dq_consumers_of` counts),
+  plus the forward's slack for barriers and
   alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
   way to global memory; with `group_splits` > 1, each consumer's float32 tile of
   partial dK, then dV, on the way to global memory."""
@@ -299,19 +323,21 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
   dq_rows = config.dq_block_n or config.block_n
   partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
+  dq_c = dq_consumers_of(head_dim, config)
+  # dQ: each consumer's Q and dO, and the K, V slots (two of one warpgroup's own).
+  dq_slots = 2 if dq_c == 1 else config.stages
+  dq = 0 if config.fused_dq else dq_c * 2 * tile + streamed(dq_rows, dq_slots)
   if by_role(head_dim):
     # dK/dV: K and V once (one consumer each), two slots of the P^T tile and one of the
-    # float32 dP^T tile they pass each other; dQ: one warpgroup, two slots.
+    # float32 dP^T tile they pass each other.
     passed = ROWS * config.block_n * (2 * itemsize + 4)
     dkv = 2 * tile + streamed(config.block_n) + passed + partial
-    dq = 2 * tile + streamed(dq_rows, 2)
     return max(dkv, dq) + SMEM_SLACK
   fixed = config.consumers * 2 * tile
   fused = 0
   if config.fused_dq:
     fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
   dkv = fixed + streamed(config.block_n) + fused + partial
-  dq = 0 if config.fused_dq else fixed + streamed(dq_rows)
   return max(dkv, dq) + SMEM_SLACK
 
 
@@ -1308,10 +1334,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   if config.fused_dq:
     return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
-  # -- dQ: consumers x ROWS query rows per program, key tiles of dq_block_n (or block_n)
-  # rows (one warpgroup at the head dims split by role, whose dQ alone takes d / 2
-  # registers: 128 at d = 256)
-  dq_consumers = 1 if roles else config.consumers
+  # -- dQ: dq_consumers_of x ROWS query rows per program, key tiles of dq_block_n (or
+  # block_n) rows
+  dq_consumers = dq_consumers_of(H, config)
   bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
   Tp, Sp, T_map, _, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
