@@ -18,12 +18,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m experiments.seq_scaling $(DEMO_ARGS)
 
-# Two test processes (pytest-xdist): CI's machine has two cores; 585 s against 700-840 s
-# in one process there (2026-12-01).
+# Two test processes (pytest-xdist), each taking whole test files (a module's fixtures,
+# such as the hipcc build or the 8-device ring subprocess, run once): CI's machine has
+# two cores. TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 hip: setup
 	$(PY) -m hip_ffi.build

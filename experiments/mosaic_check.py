@@ -654,6 +654,15 @@ def main_backward(args):
     raise ValueError(f"--peers {sorted(unknown)}: the backward's peers are cudnn and pallas")
   if args.dry_run_cpu:
     return dry_run_cpu(variants)
+  name = args.name
+  if name == "mosaic_check_h200":      # the default: the default backward's own
+    # '[{}]' runs the backward's per-call defaults (two consumers; a causal call's group
+    # split when its dK/dV grid is small), as the committed result under this name.
+    # Refused before any device time is spent.
+    if variants != [{}]:
+      raise ValueError("--backward-configs other than '[{}]' needs --name: the default "
+                       "name is the default backward's committed result")
+    name = "mosaic_backward_check_h200"
   checks, left_out = [], []
   if not args.no_check:
     for fields in variants:
@@ -679,14 +688,6 @@ def main_backward(args):
         print(checks[-1], flush=True)
   timing = [] if args.no_timing else time_backward_cells(
       args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers)
-  name = args.name
-  if name == "mosaic_check_h200":      # the default: the default backward's own
-    # '[{}]' runs the backward's per-call defaults (two consumers; a causal call's group
-    # split when its dK/dV grid is small), as the committed result under this name.
-    if variants != [{}]:
-      raise ValueError("--backward-configs other than '[{}]' needs --name: the default "
-                       "name is the default backward's committed result")
-    name = "mosaic_backward_check_h200"
   path = write_result(name, vars(args), checks, extra={"timing": timing, "left_out": left_out},
                       out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]

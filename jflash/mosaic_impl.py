@@ -135,7 +135,7 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     477.6 against 395.5, mosaic_bwd_512_programs_h200.json: 8K, 8 heads, batch 1.)
   - not when the caller's backward fields make a config the kernels cannot run for
     the call (shared memory, a group split that does not divide the group).
-  - head_dim 256 (split by role: the only config the kernels run there): the Mosaic GPU
+  - head_dim 256 (split by role: the dK/dV kernel's only config there): the Mosaic GPU
     backward from BY_ROLE_MIN_SEQ query and key rows (the timed calls, MHA and GQA, on
     whole tiles; tails are read in place as above), unless a causal grid stays small
     as above (4K 417.8 against 324.0, causal 359.1 against 291.1,

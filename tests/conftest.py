@@ -18,7 +18,8 @@ os.environ.setdefault("PJRT_NPROC", "16")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A test still running after this long is taken as hung: every thread's stack is printed
-# and the run stops, instead of waiting out CI's limit. (Mosaic GPU's interpreter runs
+# and its process exits (the run stops, or under pytest-xdist that worker, and the test
+# fails), instead of waiting out CI's limit. (Mosaic GPU's interpreter runs
 # each warpgroup as a thread; one that raises leaves the others waiting on a barrier.
 # The slowest test took 28 s in a clean-clone CI run on two cores.)
 HANG_S = 900

@@ -281,6 +281,23 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
       with pytest.raises(NotImplementedError, match="shared memory"):
         mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
   assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
+  # The dQ kernel's slots follow its own consumers: two for one warpgroup, else stages.
+  tile = mb.ROWS * 128 * 2
+  for consumers, dq, slots in ((2, 1, 2), (1, 2, 3)):
+    config = mb.BackwardConfig(consumers=consumers, dq_consumers=dq, stages=3, block_n=64)
+    dq_bytes = dq * 2 * tile + slots * 2 * 64 * 128 * 2
+    dkv_bytes = consumers * 2 * tile + (2 if consumers == 1 else 3) * 2 * 64 * 128 * 2
+    assert mb.smem_bytes(128, 2, config) == max(dq_bytes, dkv_bytes) + mf.SMEM_SLACK
+  # The per-call defaults keep to what the dQ kernel runs: no persistent grid and no
+  # rows in registers with one dQ warpgroup, both with two.
+  one = mb.call_config((1, 4096, 16, 128), (1, 4096, 16, 128), 2, causal=False, dq_consumers=1)
+  assert not one.persistent and not one.dq_rows_in_registers
+  two = mb.call_config((1, 4096, 16, 128), (1, 4096, 16, 128), 2, causal=False, consumers=1,
+                       dq_consumers=2)
+  assert two.dq_rows_in_registers and not two.persistent
+  q, k, v = random_qkv((1, 4096, 4096, 2, 2, 128), jnp.bfloat16)[:3]
+  mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward="mosaic_gpu", backward_dq_consumers=1)), **HOPPER)
   for fields, why in ((dict(dq_consumers=3), "dq_consumers=3"),
                       (dict(dq_consumers=True), "dq_consumers=True"),
                       (dict(fused_dq=True, dq_consumers=2), "dq_consumers=2"),
@@ -532,7 +549,7 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   last tiles on both sides, padded in the wrapper), causal: tiles skipped from the
   transposed schedule in dK/dV and from the plain one in dQ. Two consumers: each owns
   64 of a program's 128 keys (dK/dV) or query rows (dQ), a producer warpgroup streams
-  the shared tiles through 3 slots (2 at H = 128), and every barrier phase is observed.
+  the shared tiles through 3 slots (2 above H = 64), and every barrier phase is observed.
   fused_dq: dQ added tile by tile in the dK/dV kernel, the dQ kernel not run (at H = 64
   and 128). H = 96: a head dim off the table; H = 160: split by role, with two dQ
   consumers (`dq_consumers`)."""

@@ -143,16 +143,18 @@ class BackwardConfig:
     this item's last products and its stores, and no partial last wave is launched
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
-    rule adds a grid axis: one persistent grid per mapped problem. Two consumers, not
-    with fused_dq, not at the head dims split by role. The default where it measured
-    faster (`persistent_wins`).
+    rule adds a grid axis: one persistent grid per mapped problem. Two consumers in
+    both kernels (not with dq_consumers=1), not with fused_dq, not at the head dims
+    split by role. The default where it measured faster (`persistent_wins`).
   dq_consumers: the dQ kernel's consumer warpgroups where they differ from
     `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
     split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
     at d = 256 two consumers' Q and dO beside two K/V slots exceed shared memory). 2
     there runs the warp-specialised dQ kernel of d <= 128 (a producer streaming K and
-    V, two consumers of 64 query rows each) where it fits shared memory (d <= 224 with
-    dq_block_n 64); correct under the interpreter, not yet timed on the H200.
+    V, two consumers of 64 query rows each) where it fits shared memory: with
+    dq_block_n 64 and `stages` 2 up to d = 224 (three slots fit up to d = 176); the
+    dQ kernel's slots are then `stages`, not the one warpgroup's two. Correct under
+    the interpreter, not yet timed on the H200.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -277,11 +279,12 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; unless the caller set
-  dq_rows_in_registers, the dQ kernel's rows in registers where it runs with two (not
-  at the head dims split by role, whose one dQ warpgroup has no registers for them
-  beside dQ, nor with fused_dq, where no dQ kernel runs); unless the caller set
+  dq_rows_in_registers, the dQ kernel's rows in registers where it runs with two
+  (`dq_consumers_of`; not at the head dims split by role, where dQ alone takes d / 2
+  registers, nor with fused_dq, where no dQ kernel runs); unless the caller set
   persistent, the persistent grids for a call with one key head per query head and no
-  causal mask (`persistent_wins`); for a causal call whose dK/dV
+  causal mask (`persistent_wins`) where both kernels run two consumers; for a causal
+  call whose dK/dV
   grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
   the fewest splits of its GQA group (N / K query heads) that reach it, or the most
   that fit shared memory. (Under jax.vmap, B is one problem's batch: the
@@ -293,11 +296,12 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
   # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
   # attention 1.015x.
-  if (config.consumers == 2 and not by_role(H) and not config.fused_dq
+  if (dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
       and "dq_rows_in_registers" not in fields):
     config = dataclasses.replace(config, dq_rows_in_registers=True)
   if (persistent_wins(causal=causal, group=group) and config.consumers == 2
-      and not by_role(H) and not config.fused_dq and "persistent" not in fields):
+      and dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
+      and "persistent" not in fields):
     config = dataclasses.replace(config, persistent=True)
   if causal and "group_splits" not in fields and not by_role(H):
     for splits in (d for d in range(2, group + 1) if group % d == 0):
