@@ -171,9 +171,13 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   # one key head per query head: only the timed configs, the default and the default
   # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from
   # MHA_PERSISTENT_MIN_SEQ).
+  # (dq_consumers resolved first: None and the count it stands for are one config.)
+  resolved = lambda c: c if c.fused_dq else dataclasses.replace(  # noqa: E731
+      c, dq_consumers=_bwd.dq_consumers_of(H, c))
   default = backward_config(q, k, cfg, masks, own_fields=False)
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
-  timed_mha = (config in (default, dataclasses.replace(default, persistent=False))
+  timed_mha = (resolved(config) in (resolved(default),
+                                    resolved(dataclasses.replace(default, persistent=False)))
                and min(T, S) >= min_seq)
   return ("mosaic_gpu" if _fwd.table_head_dim(H) == 128 and (grouped or timed_mha) and filled
           else "pallas")

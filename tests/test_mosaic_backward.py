@@ -298,6 +298,10 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
   q, k, v = random_qkv((1, 4096, 4096, 2, 2, 128), jnp.bfloat16)[:3]
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_dq_consumers=1)), **HOPPER)
+  # "auto" takes the default's own dQ count as the default (the timed config).
+  same = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward_dq_consumers=2))
+  assert mosaic_impl.backward_kind(q, k, *same) == mosaic_impl.backward_kind(
+      q, k, *jflash.prepare(q, k, v)) == "mosaic_gpu"
   for fields, why in ((dict(dq_consumers=3), "dq_consumers=3"),
                       (dict(dq_consumers=True), "dq_consumers=True"),
                       (dict(fused_dq=True, dq_consumers=2), "dq_consumers=2"),
