@@ -48,6 +48,8 @@ SHAPES = [
     (1, 257, 257, 2, 1, 128),
     (1, 1, 257, 2, 2, 64),
     (1, 257, 1, 2, 2, 128),
+    (1, 203, 113, 4, 2, 96),
+    (1, 113, 203, 4, 1, 80),
 ]
 MASKS = {  # B = 2, T = S = 300
     "lengths": dict(query_seq_lengths=np.array([250, 7], np.int32),
@@ -148,12 +150,12 @@ def correctness_rows(quick: bool):
       for is_causal in (False, True):
         seed += 4
         rows.append(check_case("grid", shape, dtype, seed, is_causal=is_causal))
-    for H in (64, 128):
+    for H in hip_ffi.head_dims():
       for mask, kw in MASKS.items():
         seed += 4
         rows.append(check_case(f"mask_{mask}", (2, 300, 300, 4, 2 if H == 64 else 1, H),
                                dtype, seed, **kw))
-  for H in (64, 128):
+  for H in hip_ffi.head_dims():
     bq, bk, _ = hip_ffi.tile_table()[H][1]
     rows.append(check_case("tile1", (1, 203, 113, 4, 2, H), jnp.float16, 90 + H, is_causal=True,
                            config=jflash.HipConfig(bq, bk)))

@@ -25,7 +25,6 @@ TARGETS = {
     "dkdv": ("jflash_flash_bwd_dkdv", "JflashFlashBwdDkdv"),
 }
 TARGET_NAME = TARGETS["forward"][0]
-HEAD_DIMS = (64, 128)
 # Grid dims y and z (heads, batch) of a launch are limited to 65535 on both vendors.
 GRID_YZ_LIMIT = 65535
 # jax platform name -> (build target, XLA platform name for register_ffi_target)
@@ -52,6 +51,11 @@ def emulated():
 
 def emulating() -> bool:
   return _EMULATED.get()
+
+
+def head_dims() -> tuple[int, ...]:
+  """The head dims the kernels are compiled for (the rows of the source's tile tables)."""
+  return tuple(tile_table())
 
 
 def tile_table():
@@ -144,8 +148,8 @@ def check_inputs(q, k, v, *, scale, is_causal, tile, window=None, soft_cap=None,
     raise ValueError(f"empty dimension in q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
   if N % K:
     raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
-  if H not in HEAD_DIMS:
-    raise ValueError(f"head_dim={H} is not compiled; the hip kernels have {HEAD_DIMS}")
+  if H not in head_dims():
+    raise ValueError(f"head_dim={H} is not compiled; the hip kernels have {head_dims()}")
   if N > GRID_YZ_LIMIT or B > GRID_YZ_LIMIT:
     raise ValueError(f"heads N={N} and batch B={B} must be <= {GRID_YZ_LIMIT} "
                      "(grid y/z limits)")

@@ -223,7 +223,8 @@ def bwd_tile_table() -> dict[int, tuple[int, int, int]]:
   text = (CSRC / MAIN_SOURCE).read_text()
   rows = re.findall(r"BwdTileTable<(\d+)>\s*\{\s*static constexpr int "
                     r"BQ = (\d+),\s*BKV = (\d+),\s*NT = (\d+);", text)
-  return {int(d): (int(bq), int(bk), int(nt)) for d, bq, bk, nt in sorted(rows)}
+  return {int(d): (int(bq), int(bk), int(nt))
+          for d, bq, bk, nt in sorted(rows, key=lambda r: int(r[0]))}
 
 
 # -- the gfx906 resource report ---------------------------------------------------------

@@ -27,7 +27,8 @@ from hip_ffi import build
 from jflash import hip_impl
 from tests.attention_test_base import TransformationTests, floor, max_err, random_qkv
 
-# (B, T, S, N, K, H): T, S span several tiles and clip the last; T != S both ways; GQA, MQA.
+# (B, T, S, N, K, H): T, S span several tiles and clip the last; T != S both ways; GQA, MQA;
+# every compiled head dim.
 SHAPES = [
     (1, 1, 1, 2, 1, 64),
     (2, 97, 97, 2, 2, 64),
@@ -35,6 +36,8 @@ SHAPES = [
     (1, 133, 70, 4, 1, 128),
     (1, 1, 77, 2, 2, 128),
     (1, 77, 1, 2, 2, 64),
+    (1, 70, 133, 4, 2, 96),
+    (1, 133, 70, 4, 1, 80),
 ]
 DTYPES = [jnp.float16, jnp.bfloat16]
 
@@ -102,7 +105,7 @@ def test_bfloat16(runner, shape, is_causal):
 
 
 def test_second_forward_tile(runner):
-  for H in (64, 128):
+  for H in hip_ffi.head_dims():
     bq, bk, _ = hip_ffi.tile_table()[H][1]
     q, k, v, do = random_qkv((1, 100, 75, 2, 1, H), jnp.float16, seed=2)
     check(runner, q, k, v, do, is_causal=True, config=jflash.HipConfig(bq, bk))
@@ -165,8 +168,9 @@ def test_soft_cap_saturates_to_a_uniform_softmax(runner, is_causal):
   assert not dq.any() and not dk.any()
 
 
-def test_masks_head_dim_128_mqa(runner):
-  q, k, v, do = random_qkv((1, 90, 110, 4, 1, 128), jnp.float16, seed=4)
+@pytest.mark.parametrize("H", [128, 96, 80])
+def test_masks_head_dims_above_64_mqa(runner, H):
+  q, k, v, do = random_qkv((1, 90, 110, 4, 1, H), jnp.float16, seed=4)
   check(runner, q, k, v, do, is_causal=True, local_window_size=(33, 5),
         key_value_seq_lengths=np.array([101], np.int32))
 

@@ -20,7 +20,8 @@ extern "C" int jflash_emulated_forward(const uint16_t* q, const uint16_t* k, con
                                        uint16_t* out, float* lse, int B, int T, int S, int N,
                                        int KH, int H, float scale, int causal, int win_left,
                                        int win_right, float soft_cap, int tile) {
-  if ((H != 64 && H != 128) || tile < 0 || tile >= jflash::kNumTiles || N % KH != 0) return 1;
+  if (!jflash::head_dim_compiled(H) || tile < 0 || tile >= jflash::kNumTiles || N % KH != 0)
+    return 1;
   jflash::FwdParams p{q, k, v, out, lse, B, T, S, N, KH, jflash::make_logits(scale, soft_cap),
                       mask(ranges, n_blocks, q_seg, kv_seg, causal, win_left, win_right)};
   return jflash::launch_forward(p, H, tile, nullptr);
@@ -29,7 +30,7 @@ extern "C" int jflash_emulated_forward(const uint16_t* q, const uint16_t* k, con
 extern "C" int jflash_emulated_bwd_delta(const uint16_t* out, const uint16_t* dout,
                                          const float* dlse, float* delta, int B, int T, int N,
                                          int H) {
-  if (H != 64 && H != 128) return 1;
+  if (!jflash::head_dim_compiled(H)) return 1;
   jflash::DeltaParams p{out, dout, dlse, delta, B, T, N};
   return jflash::launch_delta(p, H, nullptr);
 }
@@ -41,7 +42,7 @@ extern "C" int jflash_emulated_bwd(const uint16_t* q, const uint16_t* k, const u
                                    const int32_t* kv_seg, float* dq, float* dk, float* dv, int B,
                                    int T, int S, int N, int KH, int H, float scale, int causal,
                                    int win_left, int win_right, float soft_cap) {
-  if ((H != 64 && H != 128) || N % KH != 0) return 1;
+  if (!jflash::head_dim_compiled(H) || N % KH != 0) return 1;
   jflash::BwdParams p{q, k, v, dout, lse, delta, dq, dk, dv, B, T, S, N, KH,
                       jflash::make_logits(scale, soft_cap),
                       mask(ranges, n_blocks, q_seg, kv_seg, causal, win_left, win_right)};

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "compat.h"
@@ -62,6 +63,10 @@ template <int D, int TILE>
 struct FwdTileTable;
 template <> struct FwdTileTable<64, 0>  { static constexpr int BQ = 128, BK = 64, NT = 512; };  // 46080  1  2
 template <> struct FwdTileTable<64, 1>  { static constexpr int BQ = 64,  BK = 64, NT = 256; };  // 27648  2  2
+template <> struct FwdTileTable<80, 0>  { static constexpr int BQ = 64,  BK = 32, NT = 512; };  // 23296  2  4
+template <> struct FwdTileTable<80, 1>  { static constexpr int BQ = 32,  BK = 32, NT = 256; };  // 17664  3  3
+template <> struct FwdTileTable<96, 0>  { static constexpr int BQ = 64,  BK = 32, NT = 512; };  // 27648  2  4
+template <> struct FwdTileTable<96, 1>  { static constexpr int BQ = 32,  BK = 32, NT = 256; };  // 20992  3  3
 template <> struct FwdTileTable<128, 0> { static constexpr int BQ = 64,  BK = 32, NT = 512; };  // 36352  1  2
 template <> struct FwdTileTable<128, 1> { static constexpr int BQ = 32,  BK = 32, NT = 256; };  // 27648  2  2
 constexpr int kNumTiles = 2;
@@ -102,7 +107,23 @@ struct FwdTile : FwdTileTable<D, TILE> {
 template <int D>
 struct BwdTileTable;
 template <> struct BwdTileTable<64>  { static constexpr int BQ = 32, BKV = 64, NT = 512; };  // 39168 41472
-template <> struct BwdTileTable<128> { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 43008 47616
+template <> struct BwdTileTable<80>  { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 29440 31488
+template <> struct BwdTileTable<96>  { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 34048 36864
+template <> struct BwdTileTable<128> { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 43264 47616
+
+// The compiled head dims (each has a row above and in FwdTileTable): `with_head_dim`
+// turns a runtime head_dim into its template instance, the one place of that list.
+inline bool head_dim_compiled(int H) { return H == 64 || H == 80 || H == 96 || H == 128; }
+
+template <typename F>
+inline auto with_head_dim(int H, F&& f) {
+  switch (H) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 80: return f(std::integral_constant<int, 80>{});
+    case 96: return f(std::integral_constant<int, 96>{});
+    default: return f(std::integral_constant<int, 128>{});  // callers check head_dim_compiled
+  }
+}
 
 template <int D>
 struct BwdTile : BwdTileTable<D> {
@@ -738,8 +759,18 @@ gpuError_t launch_fwd_tile(const FwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_forward(const FwdParams& p, int H, int tile, gpuStream_t stream) {
-  if (H == 64) return tile == 0 ? launch_fwd_tile<64, 0>(p, stream) : launch_fwd_tile<64, 1>(p, stream);
-  return tile == 0 ? launch_fwd_tile<128, 0>(p, stream) : launch_fwd_tile<128, 1>(p, stream);
+  return with_head_dim(H, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    return tile == 0 ? launch_fwd_tile<D, 0>(p, stream) : launch_fwd_tile<D, 1>(p, stream);
+  });
+}
+
+// Query rows per block of the forward tile `tile` at head_dim H.
+inline int fwd_block_q(int H, int tile) {
+  return with_head_dim(H, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    return tile == 0 ? FwdTile<D, 0>::BQ : FwdTile<D, 1>::BQ;
+  });
 }
 
 template <int D>
@@ -751,7 +782,7 @@ gpuError_t launch_delta_d(const DeltaParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_delta(const DeltaParams& p, int H, gpuStream_t stream) {
-  return H == 64 ? launch_delta_d<64>(p, stream) : launch_delta_d<128>(p, stream);
+  return with_head_dim(H, [&](auto d) { return launch_delta_d<decltype(d)::value>(p, stream); });
 }
 
 template <int D>
@@ -763,7 +794,7 @@ gpuError_t launch_dq_d(const BwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_dq(const BwdParams& p, int H, gpuStream_t stream) {
-  return H == 64 ? launch_dq_d<64>(p, stream) : launch_dq_d<128>(p, stream);
+  return with_head_dim(H, [&](auto d) { return launch_dq_d<decltype(d)::value>(p, stream); });
 }
 
 template <int D>
@@ -775,7 +806,15 @@ gpuError_t launch_dkdv_d(const BwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_dkdv(const BwdParams& p, int H, gpuStream_t stream) {
-  return H == 64 ? launch_dkdv_d<64>(p, stream) : launch_dkdv_d<128>(p, stream);
+  return with_head_dim(H, [&](auto d) { return launch_dkdv_d<decltype(d)::value>(p, stream); });
+}
+
+// (query rows, key rows) per block of the backward kernels at head_dim H.
+inline int bwd_block_q(int H) {
+  return with_head_dim(H, [](auto d) { return BwdTile<decltype(d)::value>::BQ; });
+}
+inline int bwd_block_kv(int H) {
+  return with_head_dim(H, [](auto d) { return BwdTile<decltype(d)::value>::BKV; });
 }
 
 // -- XLA FFI handlers -------------------------------------------------------------------
@@ -845,8 +884,8 @@ static ffi::Error qkv_dims(const char* op, ffi::Span<const int64_t> qd,
   if (d->B < 1 || d->T < 1 || d->S < 1 || d->N < 1 || d->KH < 1 || d->N % d->KH != 0)
     return invalid(op, "need B, T, S, N, K >= 1 and N a multiple of K, got q" + shape_str(qd) +
                            " k" + shape_str(kd));
-  if (d->H != 64 && d->H != 128)
-    return invalid(op, "head_dim must be 64 or 128, got " + std::to_string(d->H));
+  if (!head_dim_compiled((int)d->H))
+    return invalid(op, "head_dim must be 64, 80, 96 or 128, got " + std::to_string(d->H));
   // grid.y and grid.z are limited to 65535; int32 row counters inside the kernels.
   if (d->N > 65535 || d->B > 65535 || d->T > INT32_MAX / 2 || d->S > INT32_MAX / 2)
     return invalid(op, "q" + shape_str(qd) + " k" + shape_str(kd) + " exceed the launch limits");
@@ -922,8 +961,7 @@ static ffi::Error FlashFwdImpl(gpuStream_t stream, F16 q, F16 k, F16 v, S32 rang
   if (!aligned16(q.typed_data()) || !aligned16(k.typed_data()) || !aligned16(v.typed_data()) ||
       !aligned16(out->typed_data()))
     return invalid(op, "q, k, v and out must be 16-byte aligned");
-  const int bq = d.H == 64 ? (tile == 0 ? FwdTile<64, 0>::BQ : FwdTile<64, 1>::BQ)
-                           : (tile == 0 ? FwdTile<128, 0>::BQ : FwdTile<128, 1>::BQ);
+  const int bq = fwd_block_q((int)d.H, tile);
   FwdParams p;
   if (auto e = mask_params(op, d, lead, bq, (int)d.T, ranges, q_seg, kv_seg, is_causal,
                            window_left, window_right, has_segments, &p.mask); e.failure())
@@ -946,7 +984,8 @@ static ffi::Error FlashBwdDeltaImpl(gpuStream_t stream, F16 out, F16 dout, F32 d
   if (auto e = expect_shape(op, "dout", dout.dimensions(), lead, {T, N, H}); e.failure()) return e;
   if (auto e = expect_shape(op, "dlse", dlse.dimensions(), lead, {N, T}); e.failure()) return e;
   if (auto e = expect_shape(op, "delta", delta->dimensions(), lead, {N, T}); e.failure()) return e;
-  if (H != 64 && H != 128) return invalid(op, "head_dim must be 64 or 128, got " + std::to_string(H));
+  if (!head_dim_compiled((int)H))
+    return invalid(op, "head_dim must be 64, 80, 96 or 128, got " + std::to_string(H));
   if (B * T * N / kDeltaThreads >= INT32_MAX || T > INT32_MAX || N > INT32_MAX)
     return invalid(op, "out" + shape_str(od) + " exceeds the launch limits");
   if (!aligned16(out.typed_data()) || !aligned16(dout.typed_data()))
@@ -970,8 +1009,7 @@ static ffi::Error bwd_params(const char* op, bool per_key_tile, F16 q, F16 k, F1
   if (!aligned16(q.typed_data()) || !aligned16(k.typed_data()) || !aligned16(v.typed_data()) ||
       !aligned16(dout.typed_data()))
     return invalid(op, "q, k, v and dout must be 16-byte aligned");
-  const int bq = d->H == 64 ? BwdTile<64>::BQ : BwdTile<128>::BQ;
-  const int bkv = d->H == 64 ? BwdTile<64>::BKV : BwdTile<128>::BKV;
+  const int bq = bwd_block_q((int)d->H), bkv = bwd_block_kv((int)d->H);
   if (auto e = mask_params(op, *d, lead, per_key_tile ? bkv : bq, (int)(per_key_tile ? d->S : d->T),
                            ranges, q_seg, kv_seg, is_causal, window_left, window_right,
                            has_segments, &p->mask); e.failure())
