@@ -103,11 +103,19 @@ a_impls=jflash,cudnn
 # on the H200 (2026-12-01); at 65% of a 420 s budget A stopped before GQA and MQA. The
 # alternating timing (experiments/common.py, time_alternating) adds about 2 s per cell
 # and mode (a second of sustained calls, then 7 rounds of 50 ms per peer): ~70 s for A.
+# BENCH_A_REPEATS=2: A twice, one process after the other, each in its share of A's
+# budget (bench_a_<tag>.json, then bench_a_<tag>_2.json): how far identical kernels move
+# between two runs. The report joins the first.
 a=$(( ($(left) - 20) * ${BENCH_A_SHARE:-70} / 100 ))
+reps=${BENCH_A_REPEATS:-1}
 if [ "${SKIP_BENCH_A:-0}" != 1 ]; then
-  step bench_a $a $py -m experiments.bench_attention --grids "$grids" --impls "$a_impls" \
-    --skip-memory --time-limit-s $(( a - 40 > 10 ? a - 40 : 10 )) --out-dir "$out" \
-    --name bench_a_$tag ${bench_flags[@]+"${bench_flags[@]}"}
+  share=$(( a / reps ))
+  for rep in $(seq 1 "$reps"); do
+    suffix=$([ "$rep" -gt 1 ] && echo "_$rep")
+    step "bench_a$suffix" $share $py -m experiments.bench_attention --grids "$grids" \
+      --impls "$a_impls" --skip-memory --time-limit-s $(( share - 40 > 10 ? share - 40 : 10 )) \
+      --out-dir "$out" --name "bench_a_$tag$suffix" ${bench_flags[@]+"${bench_flags[@]}"}
+  done
 fi
 # SKIP_BENCH_B=1: A only (B then runs in a later call: BENCH_A_JSON=<A's JSON> with
 # SKIP_BENCH_A=1 joins the two).
