@@ -205,6 +205,7 @@ def handler_error_rows():
   """The C++ handlers answer a bad call with an ffi::Error (Python checks bypassed)."""
   rows = []
   q = jnp.zeros((1, 8, 2, 64), jnp.float16)
+  q72 = jnp.zeros((1, 8, 2, 72), jnp.float16)      # no kernel compiled for head_dim 72
   r, seg = jnp.zeros((1, 1, 8), jnp.int32), jnp.zeros((1, 1), jnp.int32)
   attrs = dict(scale=np.float32(0.125), is_causal=np.bool_(False), window_left=np.int32(-1),
                window_right=np.int32(-1), has_segments=np.bool_(False),
@@ -219,6 +220,8 @@ def handler_error_rows():
       "tile": (fwd, (out, lse(8)), (q, q, q, r, seg, seg), {"tile": np.int32(9)}, "tile"),
       "soft_cap": (fwd, (out, lse(8)), (q, q, q, r, seg, seg),
                    {"tile": np.int32(0), "soft_cap": np.float32(-1.0)}, "soft_cap"),
+      "head_dim": (fwd, (jax.ShapeDtypeStruct(q72.shape, q72.dtype), lse(8)),
+                   (q72, q72, q72, r, seg, seg), {"tile": np.int32(0)}, "got 72"),
       "dq_ranges": (hip_ffi.TARGETS["dq"][0], jax.ShapeDtypeStruct(q.shape, jnp.float32),
                     (q, q, q, q, jnp.zeros((1, 2, 8)), jnp.zeros((1, 2, 8)),
                      jnp.zeros((1, 5, 8), jnp.int32), seg, seg), {}, "ranges"),

@@ -164,7 +164,7 @@ def _calls(text, target=None):
 TARGET = {op: name for op, (name, _) in hip_ffi.TARGETS.items()}
 
 
-@pytest.mark.parametrize("H,is_causal", [(64, True), (128, False)])
+@pytest.mark.parametrize("H,is_causal", [(64, True), (80, True), (96, False), (128, False)])
 def test_lowers_to_the_custom_call_for_rocm(rocm_lib, H, is_causal):
   B, T, S, N, K = 2, 97, 113, 8, 2
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float16)
@@ -206,11 +206,12 @@ def test_tile_attribute_follows_config(rocm_lib):
   assert "tile = 1 : i32" in _lower_rocm(fn, q, q, q)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_gradient_calls_only_the_hip_kernels(rocm_lib, dtype):
+@pytest.mark.parametrize("dtype,H", [(jnp.float16, 64), (jnp.bfloat16, 64),
+                                     (jnp.float16, 96)])
+def test_gradient_calls_only_the_hip_kernels(rocm_lib, dtype, H):
   # jax.grad through implementation="hip": the forward once, then delta, dQ and dK/dV,
   # and no other custom call (no xla_chunked or Pallas fallback in the backward).
-  B, T, S, N, K, H = 1, 97, 80, 4, 2, 64
+  B, T, S, N, K = 1, 97, 80, 4, 2
   q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, S, K, H), dtype)
   lens = jnp.array([70], jnp.int32)

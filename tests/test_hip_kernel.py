@@ -311,6 +311,12 @@ def test_handler_rejects_a_bad_call_with_an_error():
   attrs["soft_cap"] = np.float32(-1.0)
   with pytest.raises(Exception, match="soft_cap"):
     jax.block_until_ready(call((1, 2, 8), 0, r))
+  attrs["soft_cap"] = np.float32(0.0)
+  q = jnp.zeros((1, 8, 2, 72), jnp.float16)        # no kernel compiled for head_dim 72
+  with pytest.raises(Exception, match="64, 80, 96 or 128, got 72"):
+    jax.block_until_ready(jax.ffi.ffi_call(hip_ffi.TARGET_NAME, (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))(
+        q, q, q, r, seg, seg, tile=np.int32(0), **attrs))
 
 
 def test_malformed_ranges_cannot_read_outside_the_arrays(runner):

@@ -23,6 +23,7 @@
 typedef hipStream_t gpuStream_t;
 typedef hipError_t gpuError_t;
 #define gpuSuccess hipSuccess
+#define gpuErrorInvalidValue hipErrorInvalidValue
 #define gpuGetLastError hipGetLastError
 #define gpuGetErrorString hipGetErrorString
 #define gpuLaunchKernel(kernel, grid, block, lds, stream, ...) \
@@ -68,6 +69,7 @@ __device__ __forceinline__ uint32_t jf_f2h2(float lo, float hi) {
 typedef cudaStream_t gpuStream_t;
 typedef cudaError_t gpuError_t;
 #define gpuSuccess cudaSuccess
+#define gpuErrorInvalidValue cudaErrorInvalidValue
 #define gpuGetLastError cudaGetLastError
 #define gpuGetErrorString cudaGetErrorString
 #define gpuLaunchKernel(kernel, grid, block, lds, stream, ...) \

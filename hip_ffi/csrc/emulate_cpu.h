@@ -67,6 +67,7 @@ inline void __syncthreads() {
 typedef void* gpuStream_t;
 typedef int gpuError_t;
 #define gpuSuccess 0
+#define gpuErrorInvalidValue 1
 inline int gpuGetLastError() { return 0; }
 inline const char* gpuGetErrorString(int) { return "no error"; }
 

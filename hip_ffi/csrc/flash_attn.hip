@@ -48,10 +48,10 @@ namespace jflash {
 // LDS reads and shifts consecutive rows by 4 of the 32 banks (4 bytes each), so the 8
 // lanes of one 128-bit read phase hit 32 distinct banks.
 constexpr int kPad = 8;
-// gfx906 has 64 KiB of LDS per CU, and a block may take up to 48 KiB here. Two blocks
-// share a CU only at <= 32 KiB each, so the larger tiles run 8-wave (512-thread)
-// blocks and the smaller ones 4-wave blocks, two per CU: 2 waves per SIMD either way,
-// so one wave's global loads hide behind the other's dot2 work.
+// gfx906 has 64 KiB of LDS per CU, and a block may take up to 48 KiB here. Every tile
+// leaves room by LDS for at least 2 waves per SIMD (8-wave blocks alone, or 4-wave
+// blocks two or more per CU), and the kernels' VGPR cap (JF_WAVES_PER_SIMD(2)) keeps 2:
+// one wave's global loads hide behind the other's dot2 work.
 constexpr int kLdsPerCu = 64 * 1024;
 constexpr int kLdsBlockBudget = 48 * 1024;
 
@@ -101,8 +101,8 @@ struct FwdTile : FwdTileTable<D, TILE> {
 
 // Backward tiles, one row per head_dim, shared by the dQ and the dK/dV kernels (so one
 // ranges classification serves both): BQ query rows x BKV key rows, NT threads.
-// 8-wave blocks: one block per CU fills 2 waves per SIMD. The 48 KiB budget is also
-// the static shared-memory limit of a CUDA block (the sm_90 build).
+// 8-wave blocks: one block per CU already fills 2 waves per SIMD. The 48 KiB budget is
+// also the static shared-memory limit of a CUDA block (the sm_90 build).
 // Row comment: LDS bytes of the dK/dV kernel, of the dQ kernel.
 template <int D>
 struct BwdTileTable;
@@ -111,18 +111,22 @@ template <> struct BwdTileTable<80>  { static constexpr int BQ = 32, BKV = 32, N
 template <> struct BwdTileTable<96>  { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 34048 36864
 template <> struct BwdTileTable<128> { static constexpr int BQ = 32, BKV = 32, NT = 512; };  // 43264 47616
 
-// The compiled head dims (each has a row above and in FwdTileTable): `with_head_dim`
-// turns a runtime head_dim into its template instance, the one place of that list.
-inline bool head_dim_compiled(int H) { return H == 64 || H == 80 || H == 96 || H == 128; }
-
-template <typename F>
-inline auto with_head_dim(int H, F&& f) {
+// The compiled head dims (each has a row above and in FwdTileTable), listed once:
+// `with_head_dim` gives f the template instance of a runtime head_dim, and `otherwise`
+// for one not compiled.
+template <typename R, typename F>
+inline R with_head_dim(int64_t H, R otherwise, F&& f) {
   switch (H) {
     case 64: return f(std::integral_constant<int, 64>{});
     case 80: return f(std::integral_constant<int, 80>{});
     case 96: return f(std::integral_constant<int, 96>{});
-    default: return f(std::integral_constant<int, 128>{});  // callers check head_dim_compiled
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: return otherwise;
   }
+}
+
+inline bool head_dim_compiled(int64_t H) {
+  return with_head_dim(H, false, [](auto) { return true; });
 }
 
 template <int D>
@@ -759,15 +763,15 @@ gpuError_t launch_fwd_tile(const FwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_forward(const FwdParams& p, int H, int tile, gpuStream_t stream) {
-  return with_head_dim(H, [&](auto d) {
+  return with_head_dim(H, gpuError_t(gpuErrorInvalidValue), [&](auto d) {
     constexpr int D = decltype(d)::value;
     return tile == 0 ? launch_fwd_tile<D, 0>(p, stream) : launch_fwd_tile<D, 1>(p, stream);
   });
 }
 
-// Query rows per block of the forward tile `tile` at head_dim H.
+// Query rows per block of the forward tile `tile` at head_dim H (0: not compiled).
 inline int fwd_block_q(int H, int tile) {
-  return with_head_dim(H, [&](auto d) {
+  return with_head_dim(H, 0, [&](auto d) {
     constexpr int D = decltype(d)::value;
     return tile == 0 ? FwdTile<D, 0>::BQ : FwdTile<D, 1>::BQ;
   });
@@ -782,7 +786,8 @@ gpuError_t launch_delta_d(const DeltaParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_delta(const DeltaParams& p, int H, gpuStream_t stream) {
-  return with_head_dim(H, [&](auto d) { return launch_delta_d<decltype(d)::value>(p, stream); });
+  return with_head_dim(H, gpuError_t(gpuErrorInvalidValue),
+                       [&](auto d) { return launch_delta_d<decltype(d)::value>(p, stream); });
 }
 
 template <int D>
@@ -794,7 +799,8 @@ gpuError_t launch_dq_d(const BwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_dq(const BwdParams& p, int H, gpuStream_t stream) {
-  return with_head_dim(H, [&](auto d) { return launch_dq_d<decltype(d)::value>(p, stream); });
+  return with_head_dim(H, gpuError_t(gpuErrorInvalidValue),
+                       [&](auto d) { return launch_dq_d<decltype(d)::value>(p, stream); });
 }
 
 template <int D>
@@ -806,15 +812,16 @@ gpuError_t launch_dkdv_d(const BwdParams& p, gpuStream_t stream) {
 }
 
 inline gpuError_t launch_dkdv(const BwdParams& p, int H, gpuStream_t stream) {
-  return with_head_dim(H, [&](auto d) { return launch_dkdv_d<decltype(d)::value>(p, stream); });
+  return with_head_dim(H, gpuError_t(gpuErrorInvalidValue),
+                       [&](auto d) { return launch_dkdv_d<decltype(d)::value>(p, stream); });
 }
 
-// (query rows, key rows) per block of the backward kernels at head_dim H.
+// (query rows, key rows) per block of the backward kernels at head_dim H (0: not compiled).
 inline int bwd_block_q(int H) {
-  return with_head_dim(H, [](auto d) { return BwdTile<decltype(d)::value>::BQ; });
+  return with_head_dim(H, 0, [](auto d) { return BwdTile<decltype(d)::value>::BQ; });
 }
 inline int bwd_block_kv(int H) {
-  return with_head_dim(H, [](auto d) { return BwdTile<decltype(d)::value>::BKV; });
+  return with_head_dim(H, 0, [](auto d) { return BwdTile<decltype(d)::value>::BKV; });
 }
 
 // -- XLA FFI handlers -------------------------------------------------------------------
@@ -884,7 +891,7 @@ static ffi::Error qkv_dims(const char* op, ffi::Span<const int64_t> qd,
   if (d->B < 1 || d->T < 1 || d->S < 1 || d->N < 1 || d->KH < 1 || d->N % d->KH != 0)
     return invalid(op, "need B, T, S, N, K >= 1 and N a multiple of K, got q" + shape_str(qd) +
                            " k" + shape_str(kd));
-  if (!head_dim_compiled((int)d->H))
+  if (!head_dim_compiled(d->H))
     return invalid(op, "head_dim must be 64, 80, 96 or 128, got " + std::to_string(d->H));
   // grid.y and grid.z are limited to 65535; int32 row counters inside the kernels.
   if (d->N > 65535 || d->B > 65535 || d->T > INT32_MAX / 2 || d->S > INT32_MAX / 2)
@@ -984,7 +991,7 @@ static ffi::Error FlashBwdDeltaImpl(gpuStream_t stream, F16 out, F16 dout, F32 d
   if (auto e = expect_shape(op, "dout", dout.dimensions(), lead, {T, N, H}); e.failure()) return e;
   if (auto e = expect_shape(op, "dlse", dlse.dimensions(), lead, {N, T}); e.failure()) return e;
   if (auto e = expect_shape(op, "delta", delta->dimensions(), lead, {N, T}); e.failure()) return e;
-  if (!head_dim_compiled((int)H))
+  if (!head_dim_compiled(H))
     return invalid(op, "head_dim must be 64, 80, 96 or 128, got " + std::to_string(H));
   if (B * T * N / kDeltaThreads >= INT32_MAX || T > INT32_MAX || N > INT32_MAX)
     return invalid(op, "out" + shape_str(od) + " exceeds the launch limits");
