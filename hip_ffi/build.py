@@ -207,6 +207,7 @@ def lds_row_strides() -> dict[str, int]:
   return strides
 
 
+@functools.cache     # read once per process: every raw op's input check asks for it
 def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   """{head_dim: ((BQ, BK, threads) per `tile` index)}, read from FwdTileTable in the source."""
   text = (CSRC / MAIN_SOURCE).read_text()
@@ -218,6 +219,7 @@ def tile_table() -> dict[int, tuple[tuple[int, int, int], ...]]:
   return {d: tuple(v[i] for i in sorted(v)) for d, v in sorted(table.items())}
 
 
+@functools.cache
 def bwd_tile_table() -> dict[int, tuple[int, int, int]]:
   """{head_dim: (BQ, BKV, threads)}, read from BwdTileTable in the source."""
   text = (CSRC / MAIN_SOURCE).read_text()

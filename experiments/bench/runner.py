@@ -277,7 +277,8 @@ def timing_text(args) -> str:
   """How the rows' times were taken, for the JSON's config."""
   return (f"peers of a cell timed together: {args.warm_ms:g} ms of sustained calls through "
           f"all, then the median of {args.rounds} rounds, each peer's calls back to back for "
-          f">= {args.round_ms:g} ms per round in a rotating order, {args.input_sets} rotated "
+          f">= {args.round_ms:g} ms per round in a balanced order (common.round_order), "
+          f"{args.input_sets} rotated "
           f"input sets, completion awaited once per round")
 
 

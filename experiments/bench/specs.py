@@ -102,7 +102,7 @@ MEMORY_PEERS = ("jflash", "jax_pallas_mha", "cudnn", "xla")
 REL_TOL = {"fwd": 2e-2, "fwd+bwd": 5e-2, "bwd": 5e-2}
 # Peers compared in one cell are timed together (`experiments.common.time_alternating`):
 # WARM_S of sustained calls through all of them, then ROUNDS rounds, each peer's calls
-# back to back for ROUND_S per round, in a rotating order.
+# back to back for ROUND_S per round, in a balanced order (`common.round_order`).
 ROUNDS = 7              # median over rounds
 ROUND_S = 0.05          # each round long enough (>= 50 ms) that launch gaps do not count
 WARM_S = 1.0            # the card brought to the clock it holds under sustained load

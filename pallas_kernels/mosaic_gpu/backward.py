@@ -233,6 +233,12 @@ class BackwardConfig:
 CAUSAL_MIN_PROGRAMS = 512
 
 
+def stream_slots(consumers: int, stages: int) -> int:
+  """Shared-memory slots of a kernel's streamed tiles: `stages` behind a producer
+  warpgroup, two (double buffering) for one warpgroup that streams its own."""
+  return 2 if consumers == 1 else stages
+
+
 def dq_consumers_of(head_dim: int, config: BackwardConfig) -> int:
   """The dQ kernel's consumer warpgroups: `dq_consumers`, or by default `consumers`,
   and one at the head dims split by role (`BackwardConfig.dq_consumers`)."""
@@ -322,15 +328,15 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
   way to global memory; with `group_splits` > 1, each consumer's float32 tile of
   partial dK, then dV, on the way to global memory."""
-  slots = 2 if config.consumers == 1 else config.stages
+  slots = stream_slots(config.consumers, config.stages)
   tile = ROWS * head_dim * itemsize
   streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
   dq_rows = config.dq_block_n or config.block_n
   partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
   dq_c = dq_consumers_of(head_dim, config)
-  # dQ: each consumer's Q and dO, and the K, V slots (two of one warpgroup's own).
-  dq_slots = 2 if dq_c == 1 else config.stages
-  dq = 0 if config.fused_dq else dq_c * 2 * tile + streamed(dq_rows, dq_slots)
+  # dQ: each consumer's Q and dO, and the K, V slots.
+  dq = 0 if config.fused_dq else (dq_c * 2 * tile
+                                  + streamed(dq_rows, stream_slots(dq_c, config.stages)))
   if by_role(head_dim):
     # dK/dV: K and V once (one consumer each), two slots of the P^T tile and one of the
     # float32 dP^T tile they pass each other.
@@ -1198,7 +1204,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
-    slots = 2 if C == 1 else stages
+    slots = stream_slots(C, stages)
     smem = lambda shape: plgpu.SMEM(shape, q.dtype, **swizzled)
     scratch = {f1: smem(per_consumer), f2: smem(per_consumer),
                s1: smem((slots, stream_rows, H)), s2: smem((slots, stream_rows, H)),
