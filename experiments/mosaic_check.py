@@ -644,6 +644,34 @@ def dry_run_cpu(variants=({},)):
   return 0 if all(r["ok"] for r in rows) else 1
 
 
+def backward_checks(variants, only):
+  """Each variant's backward cases (those `only` selects), then its NaN row and vmap
+  checks; returns (checks, left_out), a left-out case with the reason."""
+  checks, left_out = [], []
+  for fields in variants:
+    suffix = backward_suffix(fields)
+    for i, (case, shape, dtype, kw) in enumerate(backward_cases()):
+      if not selected(only, case):
+        continue
+      why = leaves_out(fields, shape)
+      if why:
+        left_out.append(f"{case}{suffix}: {why}")
+        continue
+      checks.append(check_backward_case(case + suffix, shape, dtype, kw, seed=i,
+                                        fields=fields))
+      print(checks[-1], flush=True)
+    for check, shape in ((check_backward_nan, BACKWARD_NAN_SHAPE),
+                         (check_backward_vmap, BACKWARD_VMAP_SHAPE)):
+      why = leaves_out(fields, shape)
+      if why:
+        left_out.append(f"{check.__name__}{suffix}: {why}")
+        continue
+      checks.append(check(shape, fields=fields))
+      checks[-1]["name"] += suffix
+      print(checks[-1], flush=True)
+  return checks, left_out
+
+
 def main_backward(args):
   # --backward-configs JSON: a list of MosaicGPUConfig backward-field dicts, each checked
   # (case names gain its label) and timed.
@@ -663,29 +691,7 @@ def main_backward(args):
       raise ValueError("--backward-configs other than '[{}]' needs --name: the default "
                        "name is the default backward's committed result")
     name = "mosaic_backward_check_h200"
-  checks, left_out = [], []
-  if not args.no_check:
-    for fields in variants:
-      suffix = backward_suffix(fields)
-      for i, (name, shape, dtype, kw) in enumerate(backward_cases()):
-        if not selected(args.only, name):
-          continue
-        why = leaves_out(fields, shape)
-        if why:
-          left_out.append(f"{name}{suffix}: {why}")
-          continue
-        checks.append(check_backward_case(name + suffix, shape, dtype, kw, seed=i,
-                                          fields=fields))
-        print(checks[-1], flush=True)
-      for check, shape in ((check_backward_nan, BACKWARD_NAN_SHAPE),
-                           (check_backward_vmap, BACKWARD_VMAP_SHAPE)):
-        why = leaves_out(fields, shape)
-        if why:
-          left_out.append(f"{check.__name__}{suffix}: {why}")
-          continue
-        checks.append(check(shape, fields=fields))
-        checks[-1]["name"] += suffix
-        print(checks[-1], flush=True)
+  checks, left_out = ([], []) if args.no_check else backward_checks(variants, args.only)
   timing = [] if args.no_timing else time_backward_cells(
       args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers)
   path = write_result(name, vars(args), checks, extra={"timing": timing, "left_out": left_out},

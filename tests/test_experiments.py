@@ -282,6 +282,24 @@ def test_profile_kernels_runs_the_steps_it_names(capsys):
   assert "xla_chunked forward" in out
 
 
+def test_mosaic_check_backward_writes_under_its_name(tmp_path, monkeypatch):
+  # The result goes to --name whatever the cases are called (each check stubbed: this
+  # tests the script's plumbing; the kernels are checked by the tests beside it).
+  from experiments import mosaic_check
+  ran = []
+  def stub(*args, **kwargs):
+    ran.append(args[0] if isinstance(args[0], str) else "extra")
+    return {"name": ran[-1], "ok": True}
+  for f in ("check_backward_case", "check_backward_nan", "check_backward_vmap"):
+    monkeypatch.setattr(mosaic_check, f, stub)
+  assert mosaic_check.main(["--backward", "--no-timing", "--only", "off-table", "--name",
+                            "dq2_check", "--out-dir", str(tmp_path), "--backward-configs",
+                            '[{"backward_dq_consumers": 2, "backward_dq_block_n": 64}]']) == 0
+  assert [p.name for p in tmp_path.iterdir()] == ["dq2_check.json"]
+  assert ran and all("off-table" in r for r in ran if r != "extra")
+  assert ran.count("extra") == 2     # the NaN row and vmap, whatever --only selects
+
+
 def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   # `mosaic_check --backward --backward-configs`: each variant's checks, interpreted on
   # a CPU (the device check bypassed, the kernels under Mosaic GPU's interpreter); a
