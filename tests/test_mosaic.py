@@ -107,11 +107,6 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
   assert not mosaic_impl.kernel_config(q, *three).ping_pong
   with pytest.raises(ValueError, match="ping_pong=False"):
     jflash.MosaicGPUConfig(consumers=3, ping_pong=True)
-  tree = _prepared(q, k, v, config=jflash.MosaicGPUConfig(tree_reductions=True))
-  assert mosaic_impl.kernel_config(q, *tree) == dataclasses.replace(
-      mf.default_config(q.shape[-1]), tree_reductions=True)
-  with pytest.raises(ValueError, match="tree_reductions=1"):
-    jflash.MosaicGPUConfig(tree_reductions=1)
 
 
 def test_overriding_the_three_consumer_default_at_head_dim_128():
@@ -287,19 +282,6 @@ def test_lowers_under_warpgroup_semantics(causal):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
-@pytest.mark.parametrize("H", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_tree_reductions_reorder_the_same_instructions(H, causal):
-  """The table's kernel with its row max and sum as trees over column halves: a
-  different module with as many maxima and adds (only their dependencies change)."""
-  table = mf.default_config(H, causal)
-  fold, tree = (_kernel_module(_lowered(H, MaskOptions(is_causal=causal), config=c))
-                for c in (table, dataclasses.replace(table, tree_reductions=True)))
-  assert fold != tree
-  for op in ("max.NaN.f32", "arith.addf"):
-    assert fold.count(op) == tree.count(op) > 0, op
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_persistent(causal):
   config = mf.MosaicConfig(64, 128, 2, persistent=True)
@@ -395,15 +377,13 @@ THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolve
 
 
 @pytest.mark.parametrize("variant, H", [({}, 64), (dict(overlap=True), 64),
-                                        (THREE_CONSUMERS, 64), ({}, 80),
-                                        (dict(tree_reductions=True), 64)])
+                                        (THREE_CONSUMERS, 64), ({}, 80)])
 def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
   """Two programs of 128 rows (T = 130), the last one mostly padding (with three
   consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
   through 2 slots, so the producer refills slots behind the consumed barriers; with the
   two consumers ping-ponged, with the softmax overlapped with P V in each consumer, or
-  with three unsynchronised consumers; at a head dim off the table; and with the row
-  max and sum reduced as trees."""
+  with three unsynchronised consumers; and at a head dim off the table."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, H), jnp.bfloat16, seed=1)[:3]
   config = mf.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
@@ -476,12 +456,10 @@ def test_interpreted_negative_scale():
   _check_against_reference(q, k, v, out, lse, scale=-0.2)
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_interpreted_nan_reaches_only_its_row(tree):
+def test_interpreted_nan_reaches_only_its_row():
   q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
   q = q.at[0, 9, 0, 3].set(jnp.nan)
-  config = dataclasses.replace(mf.default_config(64), tree_reductions=tree)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, config=config, interpret=True)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True)
   bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
   assert bad.tolist() == [t == 9 for t in range(64)]
   assert np.isnan(np.asarray(lse)[0, 0, 9])

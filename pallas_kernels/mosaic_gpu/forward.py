@@ -89,13 +89,6 @@ class MosaicConfig:
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  tree_reductions: each tile's row max and row sum as a pairwise tree over column
-    halves (`row_reduce`): log2(block_k / 8) dependent steps per thread in place of
-    Mosaic GPU's fold of a thread's registers one after another (block_k / 8 - 1 steps
-    of two-element registers), with the same instructions. Aimed at the d = 64 forward,
-    whose consumer warps wait mostly on fixed-latency dependencies (the hardware
-    counters in experiments/results/mosaic_notes.md). Not yet timed on the H200, so
-    not in the table.
   """
 
   block_q: int = 64
@@ -108,7 +101,6 @@ class MosaicConfig:
   consumers: int = 2
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  tree_reductions: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -125,8 +117,6 @@ class MosaicConfig:
       object.__setattr__(self, "ping_pong", self.consumers == 2)
     if not isinstance(self.ping_pong, bool):
       raise ValueError(f"ping_pong={self.ping_pong!r} must be a bool or None")
-    if not isinstance(self.tree_reductions, bool):
-      raise ValueError(f"tree_reductions={self.tree_reductions!r} must be a bool")
     if self.ping_pong and self.consumers != 2:
       raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
                        "needs ping_pong=False")
@@ -333,28 +323,6 @@ def _plgpu():
   return plgpu
 
 
-# Columns of the tile of the warpgroup products' register layout (WGMMA: 64 x 8, each
-# thread holding two neighbouring columns of a row, four lanes a row): the unit a
-# register array can be sliced in.
-WGMMA_TILE_COLS = 8
-
-
-def row_reduce(x, op, tree: bool):
-  """`op` (jnp.maximum or jnp.add) over the columns of a [rows, cols] register tile.
-
-  Mosaic GPU reduces a row by folding each thread's registers of it one after another,
-  then across the row's four lanes (`FragmentedArray.reduce`): cols / 8 - 1 dependent
-  steps of two-element registers. With `tree`, the columns are first halved pairwise
-  (op of the two halves, elementwise) down to one 8-column tile: log2(cols / 8) steps,
-  the same instructions. A sum then adds in another order (float32 rounding only);
-  NaN propagates through both maxima alike (max.NaN.f32)."""
-  if tree:
-    while x.shape[1] % (2 * WGMMA_TILE_COLS) == 0:
-      half = x.shape[1] // 2
-      x = op(x[:, :half], x[:, half:])
-  return x.max(axis=1) if op is jnp.maximum else x.sum(axis=1)
-
-
 def _load_vector(ref, layout, interpret):
   """A 1-D slice of a GMEM ref in a register layout. The interpreter has no
   `plgpu.load`; the plain read gives the same values there."""
@@ -514,12 +482,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         # Online softmax in base 2 (FlashAttention-2, Algorithm 1). In a masked tile a
         # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
         # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
-        tree = config.tree_reductions
-        m_new = jnp.maximum(m_i, row_reduce(s, jnp.maximum, tree) * c)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l_i = l_i * alpha + row_reduce(p, jnp.add, tree)
+        l_i = l_i * alpha + p.sum(axis=1)
         return p.astype(dtype), alpha, m_new, l_i
 
       def sequential(acc, m_i, l_i):
