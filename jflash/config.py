@@ -165,9 +165,10 @@ class MosaicGPUConfig(BackendConfig):
     backward_dq_block_n: whenever the Mosaic GPU backward runs, key rows per tile of
       its dQ kernel where they differ from backward_block_n; None: the same.
     backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
-      of its dQ kernel: 1 or 2; None: as backward_consumers, and one above head_dim
-      128 (2 there fits shared memory with backward_dq_block_n 64 up to head_dim 224
-      at backward_stages 2, 176 at 3; not yet timed on the H200).
+      of its dQ kernel: 1 or 2; None: as backward_consumers, and above head_dim 128
+      two where they fit shared memory (key tiles of 64: up to head_dim 224 at
+      backward_stages 2, 176 at 3), else one (`pallas_kernels.mosaic_gpu.backward.
+      call_config`).
     backward_dq_rows_in_registers, backward_dkv_rows_in_registers: whenever the Mosaic
       GPU backward runs, its dQ kernel (dK/dV kernel) keeps the fixed Q and dO (K and V)
       rows of each consumer in registers, as the register operand of its first two
@@ -177,7 +178,7 @@ class MosaicGPUConfig(BackendConfig):
       consumers, the dK/dV kernel's in shared memory.
     backward_stages: whenever the Mosaic GPU backward runs, shared-memory slots of the
       tiles its producer warpgroups stream (>= 2; a program of one warpgroup, as the
-      dQ kernel's above head_dim 128 by default, double-buffers its own); None: 2.
+      dQ kernel's at head_dim 256, double-buffers its own); None: 2.
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
       consumers in both kernels, not with backward_dq_consumers 1, not with

@@ -13,6 +13,7 @@ On the H200 it is checked by `python -m experiments.mosaic_check --backward`; he
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -267,19 +268,34 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
 def test_two_dq_consumers_above_head_dim_128_where_they_fit():
   """`dq_consumers=2` at the head dims split by role runs the warp-specialised dQ kernel:
   two consumers' Q and dO beside the K/V slots fit shared memory up to d = 224 with key
-  tiles of 64, not at d = 256; the default there stays one warpgroup."""
+  tiles of 64, not at d = 256. The per-call default takes it where it fits: the
+  config checked and timed on the H200 (dq_consumers 2, key tiles of 64), one
+  warpgroup at d = 256 and wherever the caller's stages leave no room."""
   two = dict(backward="mosaic_gpu", backward_dq_consumers=2, backward_dq_block_n=64)
-  for H, fits in ((160, True), (192, True), (224, True), (256, False)):
+  for H, fits in ((144, True), (160, True), (192, True), (224, True), (256, False)):
     q, k, v = random_qkv((1, 16, 16, 2, 1, H), jnp.bfloat16)[:3]
     cfg, masks = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(**two))
     config = mosaic_impl.backward_config(q, k, cfg, masks)
     assert mb.dq_consumers_of(H, config) == 2
-    assert mb.dq_consumers_of(H, mb.BackwardConfig(consumers=2)) == 1   # the default
+    assert mb.dq_consumers_of(H, mb.BackwardConfig(consumers=2)) == 1   # None's count
+    default = mosaic_impl.backward_config(q, k, *jflash.prepare(q, k, v))
+    assert mb.dq_consumers_of(H, default) == (2 if fits else 1)
+    assert (default.dq_block_n or default.block_n) == 64 and not default.dq_rows_in_registers
     if fits:
+      assert default == dataclasses.replace(config, dq_block_n=None)
       mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
     else:
       with pytest.raises(NotImplementedError, match="shared memory"):
         mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
+    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **HOPPER)
+  # Three slots leave room for two dQ consumers up to d = 176 only; the caller's own
+  # count is kept wherever it fits.
+  for H, stages, want in ((176, 3, 2), (192, 3, 1), (192, 2, 2)):
+    shape = (1, 4096, 8, H)
+    assert mb.dq_consumers_of(H, mb.call_config(shape, shape, 2, causal=True,
+                                                stages=stages)) == want
+  assert mb.dq_consumers_of(192, mb.call_config((1, 4096, 8, 192), (1, 4096, 8, 192), 2,
+                                                causal=False, dq_consumers=1)) == 1
   assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
   # The dQ kernel's slots follow its own consumers: two for one warpgroup, else stages.
   tile = mb.ROWS * 128 * 2

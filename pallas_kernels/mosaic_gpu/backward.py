@@ -77,8 +77,8 @@ def by_role(head_dim: int) -> bool:
   dims that take d = 256's tiles (`forward.table_head_dim`: above 128) a consumer's
   dK and dV of 64 keys would take 2 x 64 x d float32 / 128 threads = d registers (256
   at d = 256, more than a thread has), so one consumer holds dK and the other dV of
-  the same keys; the dQ kernel (dQ alone takes d / 2) runs one warpgroup there by
-  default (`dq_consumers_of`)."""
+  the same keys; the dQ kernel (dQ alone takes d / 2) runs two consumers there where
+  their rows fit shared memory (`call_config`), else one warpgroup (`dq_consumers_of`)."""
   return table_head_dim(head_dim) == 256
 
 
@@ -153,8 +153,8 @@ class BackwardConfig:
     there runs the warp-specialised dQ kernel of d <= 128 (a producer streaming K and
     V, two consumers of 64 query rows each) where it fits shared memory: with
     dq_block_n 64 and `stages` 2 up to d = 224 (three slots fit up to d = 176); the
-    dQ kernel's slots are then `stages`, not the one warpgroup's two. Correct under
-    the interpreter, not yet timed on the H200.
+    dQ kernel's slots are then `stages`, not the one warpgroup's two. `call_config`
+    takes it there where it fits (DQ_CONSUMERS_ABOVE_128).
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -232,6 +232,17 @@ class BackwardConfig:
 # ran 500.8 against 491.8 split in four.
 CAUSAL_MIN_PROGRAMS = 512
 
+# Above head_dim 128 (`by_role`) the dQ kernel's two consumers and a producer, where
+# both consumers' Q and dO fit shared memory beside the K/V slots (key tiles of 64:
+# up to d = 224 at stages 2, d = 176 at 3), against one warpgroup streaming its own
+# tiles. fwd+bwd TF/s on the H200 at 4K d192 (batch 4, 8 heads), two processes
+# (mosaic_bwd_dq2_d192_time_h200.json, ..._time2_h200.json): 433.1 / 433.6 against
+# 388.6 / 382.7, causal 399.0 / 397.2 against 362.9 / 360.8 (cuDNN 373.8 / 372.4,
+# causal 330.4 / 329.9); gradients within the rule at d160 and d192
+# (mosaic_backward_check_dq2_h200.json). One warpgroup's dQ program loads its K and V
+# tiles between its own products; two consumers share a producer's stream.
+DQ_CONSUMERS_ABOVE_128 = 2
+
 
 def stream_slots(consumers: int, stages: int) -> int:
   """Shared-memory slots of a kernel's streamed tiles: `stages` behind a producer
@@ -289,7 +300,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   (`dq_consumers_of`; not at the head dims split by role, where dQ alone takes d / 2
   registers, nor with fused_dq, where no dQ kernel runs); unless the caller set
   persistent, the persistent grids for a call with one key head per query head and no
-  causal mask (`persistent_wins`) where both kernels run two consumers; for a causal
+  causal mask (`persistent_wins`) where both kernels run two consumers; unless the
+  caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
+  where they fit shared memory; for a causal
   call whose dK/dV
   grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
   the fewest splits of its GQA group (N / K query heads) that reach it, or the most
@@ -298,6 +311,10 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
+  if by_role(H) and "dq_consumers" not in fields and not config.fused_dq:
+    two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
+    if smem_bytes(H, itemsize, two) <= SMEM_BYTES:
+      config = two
   # Against Q and dO read from shared memory, fwd+bwd in alternating rounds of one
   # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
   # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
