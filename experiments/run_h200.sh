@@ -99,13 +99,14 @@ fi
 grids=quick,d256,model
 a_impls=jflash,cudnn
 [ -n "${BENCH_SMOKE:-}" ] && grids=smoke && a_impls=jflash,xla
-# A's share: its cells with the Mosaic GPU compiles (d = 256, GQA, MQA last) took 187 s
-# on the H200 (2026-12-01); at 65% of a 420 s budget A stopped before GQA and MQA. The
-# alternating timing (experiments/common.py, time_alternating) adds about 2 s per cell
-# and mode (a second of sustained calls, then 7 rounds of 50 ms per peer): ~70 s for A.
-# BENCH_A_REPEATS=2: A twice, one process after the other, each in its share of A's
-# budget (bench_a_<tag>.json, then bench_a_<tag>_2.json): how far identical kernels move
-# between two runs. The report joins the first.
+# A's share: with the alternating timing (experiments/common.py, time_alternating: a
+# second of sustained calls, then 7 rounds of 50 ms per peer) A took 330 s and 307 s on
+# the H200 (2026-12-01, bench_attention_h200_a_run7/8), so A alone wants
+# BENCH_A_SHARE=100 of a 540 s budget. BENCH_A_REPEATS=2: A twice, one process after
+# the other, each in its share of A's budget (bench_a_<tag>.json, then
+# bench_a_<tag>_2.json): how far identical kernels move between two runs; the shares
+# fit the whole grid only with a larger BUDGET_S than one call allows, so a repeat of
+# the whole grid takes a call of its own. The report joins the first.
 a=$(( ($(left) - 20) * ${BENCH_A_SHARE:-70} / 100 ))
 reps=${BENCH_A_REPEATS:-1}
 if [ "${SKIP_BENCH_A:-0}" != 1 ]; then
