@@ -106,7 +106,10 @@ a_impls=jflash,cudnn
 # the other, each in its share of A's budget (bench_a_<tag>.json, then
 # bench_a_<tag>_2.json): how far identical kernels move between two runs; the shares
 # fit the whole grid only with a larger BUDGET_S than one call allows, so a repeat of
-# the whole grid takes a call of its own. The report joins the first.
+# the whole grid takes a call of its own. The report joins the first. A default run
+# (the checks first, A at its 70%) leaves A about 200 s: the cells at the end of its
+# grid (d = 256, GQA, MQA) are then cut; for the whole table run A in a call of its own
+# (SKIP_PALLAS_CHECK=1 SKIP_MOSAIC_CHECK=1 SKIP_BENCH_B=1 BENCH_A_SHARE=100).
 a=$(( ($(left) - 20) * ${BENCH_A_SHARE:-70} / 100 ))
 reps=${BENCH_A_REPEATS:-1}
 if [ "${SKIP_BENCH_A:-0}" != 1 ]; then

@@ -166,9 +166,9 @@ class MosaicGPUConfig(BackendConfig):
       its dQ kernel where they differ from backward_block_n; None: the same.
     backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
       of its dQ kernel: 1 or 2; None: as backward_consumers, and above head_dim 128
-      two where they fit shared memory (key tiles of 64: up to head_dim 224 at
-      backward_stages 2, 176 at 3), else one (`pallas_kernels.mosaic_gpu.backward.
-      call_config`).
+      two on dQ key tiles of 64 where they fit shared memory (up to head_dim 224 at
+      backward_stages 2, 176 at 3), else one, as at head_dim 240-256
+      (`pallas_kernels.mosaic_gpu.backward.call_config`).
     backward_dq_rows_in_registers, backward_dkv_rows_in_registers: whenever the Mosaic
       GPU backward runs, its dQ kernel (dK/dV kernel) keeps the fixed Q and dO (K and V)
       rows of each consumer in registers, as the register operand of its first two

@@ -152,7 +152,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   GQA 32/8 8K d96 467.4 against 372.5, causal 460.7 against 380.4, and 1K d96 380.5
   against 335.2, causal 244.3 against 238.4 where the rule keeps the Triton one;
   mosaic_off_table_rule_time_h200.json); above 128 the rule of 256 (d192, 8 heads:
-  398.9 against 372.4, causal 371.5 against 335.7)."""
+  398.9 against 372.4, causal 371.5 against 335.7 with one dQ warpgroup; with the
+  two dQ consumers now taken there, 433.1 and 399.0 against the Triton backward's
+  361.8 and 325.1, mosaic_bwd_dq2_d192_time_h200.json)."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward

@@ -296,7 +296,9 @@ def test_mosaic_check_backward_writes_under_its_name(tmp_path, monkeypatch):
                             "dq2_check", "--out-dir", str(tmp_path), "--backward-configs",
                             '[{"backward_dq_consumers": 2, "backward_dq_block_n": 64}]']) == 0
   assert [p.name for p in tmp_path.iterdir()] == ["dq2_check.json"]
-  assert ran and all("off-table" in r for r in ran if r != "extra")
+  cases = [r for r in ran if r != "extra"]
+  assert cases and all("off-table" in r for r in cases)
+  assert len(cases) == sum("off-table" in c[0] for c in mosaic_check.backward_cases())
   assert ran.count("extra") == 2     # the NaN row and vmap, whatever --only selects
 
 

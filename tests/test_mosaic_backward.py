@@ -287,15 +287,17 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
     else:
       with pytest.raises(NotImplementedError, match="shared memory"):
         mosaic_impl.check_call(q, k, v, cfg, masks, **HOPPER)
-    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **HOPPER)
+    mb.check_supported(q, k, v, default)
   # Three slots leave room for two dQ consumers up to d = 176 only; the caller's own
   # count is kept wherever it fits.
   for H, stages, want in ((176, 3, 2), (192, 3, 1), (192, 2, 2)):
     shape = (1, 4096, 8, H)
     assert mb.dq_consumers_of(H, mb.call_config(shape, shape, 2, causal=True,
                                                 stages=stages)) == want
-  assert mb.dq_consumers_of(192, mb.call_config((1, 4096, 8, 192), (1, 4096, 8, 192), 2,
-                                                causal=False, dq_consumers=1)) == 1
+  # The default's two consumers are the config run on the H200: key tiles of 64.
+  for fields in (dict(dq_consumers=1), dict(dq_block_n=128), dict(block_n=128)):
+    config = mb.call_config((1, 4096, 8, 144), (1, 4096, 8, 144), 2, causal=False, **fields)
+    assert mb.dq_consumers_of(144, config) == 1, fields
   assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
   # The dQ kernel's slots follow its own consumers: two for one warpgroup, else stages.
   tile = mb.ROWS * 128 * 2
@@ -379,6 +381,17 @@ def test_lowers_two_dq_consumers_above_head_dim_128(H, causal):
   assert len(modules) == 2 and all("wgmma" in m for m in modules)
   counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", modules[1]))
   assert counts == [24, mb.CONSUMER_REGISTERS]
+
+
+@pytest.mark.parametrize("H", [160, 192])
+def test_lowers_one_dq_warpgroup_above_head_dim_128(H):
+  """The one-warpgroup dQ kernel (no producer, no register split) where a caller asks
+  for it above head_dim 128, as d 240-256 run it by default."""
+  from tests.test_mosaic import _kernel_modules
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=True, dq_consumers=1)
+  modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=True), config=config))
+  assert len(modules) == 2 and all("wgmma" in m for m in modules)
+  assert "setmaxregister" not in modules[1]
 
 
 @pytest.mark.parametrize("H, fields", [(80, dict(fused_dq=True)), (96, dict(group_splits=2)),

@@ -36,8 +36,9 @@ does not run:
 
 Above head_dim 128 (`by_role`) the dK/dV kernel's two consumers share 64 keys and split
 the work by output, S^T and dK on one, dP^T and dV on the other, P^T and dP^T passing
-between them through shared memory (`_dkv_by_role`); the dQ kernel runs one warpgroup
-there unless `BackwardConfig.dq_consumers` asks for two (`dq_consumers_of`).
+between them through shared memory (`_dkv_by_role`); the dQ kernel runs two consumers
+and a producer there where their rows fit shared memory beside key tiles of 64
+(`call_config`, d 144-224), else one warpgroup (`dq_consumers_of`).
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
@@ -232,10 +233,10 @@ class BackwardConfig:
 # ran 500.8 against 491.8 split in four.
 CAUSAL_MIN_PROGRAMS = 512
 
-# Above head_dim 128 (`by_role`) the dQ kernel's two consumers and a producer, where
-# both consumers' Q and dO fit shared memory beside the K/V slots (key tiles of 64:
-# up to d = 224 at stages 2, d = 176 at 3), against one warpgroup streaming its own
-# tiles. fwd+bwd TF/s on the H200 at 4K d192 (batch 4, 8 heads), two processes
+# Above head_dim 128 (`by_role`) the dQ kernel's two consumers and a producer, on key
+# tiles of 64 (ROWS) where both consumers' Q and dO fit shared memory beside the K/V
+# slots (up to d = 224 at stages 2, d = 176 at 3; one warpgroup at d 240-256), against
+# one warpgroup streaming its own tiles. fwd+bwd TF/s on the H200 at 4K d192 (batch 4, 8 heads), two processes
 # (mosaic_bwd_dq2_d192_time_h200.json, ..._time2_h200.json): 433.1 / 433.6 against
 # 388.6 / 382.7, causal 399.0 / 397.2 against 362.9 / 360.8 (cuDNN 373.8 / 372.4,
 # causal 330.4 / 329.9); gradients within the rule at d160 and d192
@@ -302,7 +303,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   persistent, the persistent grids for a call with one key head per query head and no
   causal mask (`persistent_wins`) where both kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
-  where they fit shared memory; for a causal
+  on key tiles of 64 where they fit shared memory; for a causal
   call whose dK/dV
   grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
   the fewest splits of its GQA group (N / K query heads) that reach it, or the most
@@ -311,7 +312,8 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
-  if by_role(H) and "dq_consumers" not in fields and not config.fused_dq:
+  if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
+      and (config.dq_block_n or config.block_n) == ROWS):
     two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
     if smem_bytes(H, itemsize, two) <= SMEM_BYTES:
       config = two
