@@ -210,11 +210,12 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
   """
   if context_parallel_axis is not None:
     from jflash import parallel
-    unsupported = sorted(set(options) - {"config"})
+    unsupported = sorted(set(options) - {"config", "logits_soft_cap"})
     if implementation in JAX_NN_IMPLEMENTATIONS or unsupported:
       raise NotImplementedError(
           f"context_parallel_axis: ring attention runs jflash implementations with "
-          f"config only, got {implementation=} and options {unsupported}")
+          f"config and logits_soft_cap only, got {implementation=} and options "
+          f"{unsupported}")
     return parallel.ring_attention(q, k, v, axis_name=context_parallel_axis,
                                    is_causal=is_causal, scale=scale,
                                    implementation=implementation,

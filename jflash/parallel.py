@@ -30,6 +30,8 @@ zigzag layout as in Megatron-LM context parallelism / zhuzilin's ring-flash-atte
   segments  packed-document ids: the query ids stay home, the key ids travel with their
             block (int32 [B, S/P], small next to K/V) and each block call gets both in
             its `Masks`; blocks that segments alone mask fully are not skipped.
+  soft cap  logits -> cap tanh(logits / cap) (Gemma 2) acts on each logit alone, so
+            every block call applies it and the lse merge is unchanged.
 
 Bytes one device sends per call, with kv = B * (S/P) * K * H * itemsize: forward
 2(P-1) kv; backward 2(P-1) kv for the blocks plus 2P kv' for the dK/dV accumulators
@@ -210,6 +212,7 @@ class _Ring:
   impl: api.Implementation
   cfg: api.AttentionConfig
   is_causal: bool  # the global mask; each block call gets its own (`_block_masks`)
+  soft_cap: float | None  # every block's, as the global call's
 
   def perm(self):
     return [(d, (d + 1) % self.size) for d in range(self.size)]
@@ -239,9 +242,11 @@ def _pad_seq(x, before, after, axis):
   return jnp.pad(x, pad)
 
 
-def _block_masks(causal: bool, q_seg, kv_seg) -> Masks:
-  """The masks of one block call: its own causal flag and its segment ids, if any."""
-  return Masks(is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+def _block_masks(ring: _Ring, causal: bool, q_seg, kv_seg) -> Masks:
+  """The masks of one block call: its own causal flag, the call's soft cap and the
+  block's segment ids, if any."""
+  return Masks(is_causal=causal, soft_cap=ring.soft_cap, q_segment_ids=q_seg,
+               kv_segment_ids=kv_seg)
 
 
 # A block's key side is the tuple (k, v) or (k, v, kv_segment_ids): it travels as one.
@@ -256,13 +261,14 @@ def _block_forward(ring: _Ring, case: int, q, q_seg, kv):
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
   if case in (FULL, DIAG):
-    out, lse = ring.impl.forward(q, k, v, ring.cfg, _block_masks(case == DIAG, q_seg, kv_seg))
+    out, lse = ring.impl.forward(q, k, v, ring.cfg,
+                                 _block_masks(ring, case == DIAG, q_seg, kv_seg))
   elif case == LOWER:
     out, lse = ring.impl.forward(q, head(k), head(v), ring.cfg,
-                                 _block_masks(False, q_seg, head(kv_seg)))
+                                 _block_masks(ring, False, q_seg, head(kv_seg)))
   else:  # UPPER: the first query chunk sees nothing of this block
     out, lse = ring.impl.forward(tail(q), k, v, ring.cfg,
-                                 _block_masks(False, tail(q_seg), kv_seg))
+                                 _block_masks(ring, False, tail(q_seg), kv_seg))
     out = _pad_seq(out, c, 0, 1)
     lse = jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2)
   return out.astype(acc), lse.astype(acc)
@@ -279,16 +285,17 @@ def _block_backward(ring: _Ring, case: int, q, q_seg, kv, out, lse, dout, dlse):
     return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
   if case in (FULL, DIAG):
     grads = ring.impl.backward(q, k, v, out, lse, dout, dlse, ring.cfg,
-                               _block_masks(case == DIAG, q_seg, kv_seg))
+                               _block_masks(ring, case == DIAG, q_seg, kv_seg))
     dq, dk, dv = grads[:3]
   elif case == LOWER:
     grads = ring.impl.backward(q, head(k), head(v), out, lse, dout, dlse, ring.cfg,
-                               _block_masks(False, q_seg, head(kv_seg)))
+                               _block_masks(ring, False, q_seg, head(kv_seg)))
     dq, dk, dv = grads[:3]
     dk, dv = _pad_seq(dk, 0, c, 1), _pad_seq(dv, 0, c, 1)
   else:  # UPPER
     grads = ring.impl.backward(tail(q), k, v, tail(out), lse[..., c:], tail(dout),
-                               dlse[..., c:], ring.cfg, _block_masks(False, tail(q_seg), kv_seg))
+                               dlse[..., c:], ring.cfg,
+                               _block_masks(ring, False, tail(q_seg), kv_seg))
     dq, dk, dv = grads[:3]
     dq = _pad_seq(dq, c, 0, 1)
   return dq.astype(acc), dk.astype(acc), dv.astype(acc)
@@ -416,6 +423,7 @@ def ring_attention(
     implementation: str | Sequence[str] | None = None,
     layout: str = "zigzag",
     segment_ids: Array | tuple[Array, Array] | None = None,
+    logits_soft_cap: float | None = None,
     config: BackendConfig | Sequence[BackendConfig] | None = None,
     return_residuals: bool = False,
 ) -> Array | tuple[Array, Array]:
@@ -439,6 +447,8 @@ def ring_attention(
       pair (`[B, T/P]`, `[B, S/P]`), in the same token order as q/k/v (permute them
       with `zigzag_permute` too). The key ids travel round the ring with their block.
       Needs a local implementation whose `supports` accepts segment ids.
+    logits_soft_cap: logits -> cap * tanh(logits / cap) before the softmax, as in
+      `jflash.attention`; None: no cap. Needs a local implementation that has it.
     config: backend config(s) of the local implementation, as in `jflash.attention`.
     return_residuals: also return the local lse `[B, N, T/P]` (spec `lse_spec`).
 
@@ -448,8 +458,8 @@ def ring_attention(
   """
   # Shard-local shapes and ids: T and S here are the local lengths T/P and S/P.
   cfg, masks = api.prepare(query, key, value, scale=scale, is_causal=is_causal,
-                           segment_ids=segment_ids, implementation=implementation,
-                           config=config)
+                           segment_ids=segment_ids, logits_soft_cap=logits_soft_cap,
+                           implementation=implementation, config=config)
   _check_layout(layout)
   if not isinstance(axis_name, str):
     raise ValueError(f"axis_name={axis_name!r} must be the name (str) of one mesh axis")
@@ -471,7 +481,8 @@ def ring_attention(
           f"the global length must be a multiple of 2P = {2 * size}")
   impl = _resolve(implementation, query, key, value, cfg, masks)
   out, lse = _ring(query, key, value, masks.q_segment_ids, masks.kv_segment_ids,
-                   _Ring(axis_name, size, layout, impl, cfg, masks.is_causal))
+                   _Ring(axis_name, size, layout, impl, cfg, masks.is_causal,
+                         masks.soft_cap))
   return (out, lse) if return_residuals else out
 
 

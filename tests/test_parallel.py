@@ -46,6 +46,9 @@ CASES = [
     # packed documents: the key ids travel round the ring with their K/V block
     ("p4-causal-zigzag-gqa-segments", 4, True, "zigzag", 4, 2, {"segments": True}),
     ("p8-full-mha-segments", 8, False, "zigzag", 4, 4, {"segments": True}),
+    # Gemma 2's soft cap on every block's logits, with packed documents
+    ("p4-causal-zigzag-gqa-softcap-segments", 4, True, "zigzag", 4, 2,
+     {"logits_soft_cap": 2.0, "segments": True}),
     # The GPU default: the Pallas kernels (interpreted here) under
     # sharded_ring_attention's default check_vma.
     ("p2-causal-zigzag-gqa-pallas", 2, True, "zigzag", 4, 2,
@@ -56,12 +59,16 @@ B, T, H = 2, 96, 24  # T = 96: local lengths 48/24/12, zigzag chunks 24/12/6
 
 # -- the subprocess ------------------------------------------------------------------
 
-def _truth(q, k, v, do, dl, scale, causal, ids=None):
+def _truth(q, k, v, do, dl, scale, causal, ids=None, soft_cap=None):
   """float64 (out, lse, dq, dk, dv) of the loss sum(out * do) + sum(lse * dl)."""
   q, k, v, do, dl = (np.asarray(x, np.float64) for x in (q, k, v, do, dl))
   G = q.shape[2] // k.shape[2]
   kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
   s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  slope = 1.0  # d capped / d logit
+  if soft_cap is not None:
+    t = np.tanh(s / soft_cap)
+    s, slope = soft_cap * t, 1 - t ** 2
   if causal:
     s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
   if ids is not None:  # every row sees at least itself, so no row is fully masked
@@ -72,7 +79,7 @@ def _truth(q, k, v, do, dl, scale, causal, ids=None):
   out = np.einsum("bnts,bsnh->btnh", p, vr)
   dp = np.einsum("btnh,bsnh->bnts", do, vr)
   # d lse_i / d s_ij = P_ij: the lse cotangent enters as -dlse in delta.
-  ds = p * (dp - (np.einsum("btnh,btnh->bnt", do, out) - dl)[..., None])
+  ds = p * (dp - (np.einsum("btnh,btnh->bnt", do, out) - dl)[..., None]) * slope
   dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
   fold = lambda x: x.reshape(x.shape[:2] + (k.shape[2], G, x.shape[-1])).sum(3)
   dk = fold(np.einsum("bnts,btnh->bsnh", ds, q) * scale)
@@ -124,17 +131,19 @@ def _register_dense_test_impl():
                                                backward=backward, supports=supports))
 
 
-def _segments_unsupported_message():
-  """The error of segment_ids on an implementation that does not support them."""
+def _unsupported_message(**kw):
+  """The error of segment ids (`kw` {}) or another option on an implementation that
+  does not have them."""
   import jax.numpy as jnp
   from jflash import parallel
 
   x = jnp.zeros((1, 8, 2, 8))
+  segments = not kw
   ring = parallel.sharded_ring_attention(parallel.make_mesh(2), is_causal=True,
-                                         with_segment_ids=True, check_vma=False,
-                                         implementation="dense_test")
+                                         with_segment_ids=segments, check_vma=False,
+                                         implementation="dense_test", **kw)
   try:
-    ring(x, x, x, jnp.zeros((1, 8), jnp.int32))
+    ring(x, x, x, *([jnp.zeros((1, 8), jnp.int32)] if segments else []))
   except NotImplementedError as e:
     return str(e)
   return "no error"
@@ -151,6 +160,7 @@ def _run_case(P, causal, layout, N, K, extra):
   check_vma = extra.pop("check_vma", True)   # None: sharded_ring_attention's default
   residuals = extra.get("return_residuals", False)
   segments = extra.pop("segments", False)
+  soft_cap = extra.get("logits_soft_cap")
   if block_k:
     extra["config"] = jflash.ChunkedConfig(block_k=block_k)
   extra.setdefault("implementation", "xla_chunked")
@@ -186,7 +196,8 @@ def _run_case(P, causal, layout, N, K, extra):
   def ref_loss(q, k, v):
     out, lse = jflash.attention(q, k, v, is_causal=causal, scale=scale,
                                 implementation="xla_chunked", config=extra.get(
-                                    "config"), return_residuals=True, **seg_kw)
+                                    "config"), logits_soft_cap=soft_cap,
+                                return_residuals=True, **seg_kw)
     return jnp.sum(out * do) + jnp.sum(lse * dl), (out, lse)
 
   got = {}
@@ -194,7 +205,7 @@ def _run_case(P, causal, layout, N, K, extra):
     grads, (out, lse) = jax.jit(jax.grad(fn, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     got[name] = dict(zip(("out", "lse", "dq", "dk", "dv"),
                          (np.asarray(x, np.float64) for x in (out, lse, *grads))))
-  truth = _truth(q, k, v, do, dl, scale, causal, ids)
+  truth = _truth(q, k, v, do, dl, scale, causal, ids, soft_cap)
   quantities = ("out", "lse", "dq", "dk", "dv") if residuals else ("out", "dq", "dk", "dv")
   err = lambda a, b: float(np.max(np.abs(a - b)))
   return {n: {"ring_vs_truth": err(got["ring"][n], truth[n]),
@@ -293,7 +304,8 @@ def _worker():
   for P in (2, 4, 8):
     for layout in ("zigzag", "contiguous"):
       results[f"work-{layout}-p{P}"] = _traced_work(P, layout)
-  results["segments-unsupported"] = _segments_unsupported_message()
+  results["segments-unsupported"] = _unsupported_message()
+  results["soft-cap-unsupported"] = _unsupported_message(logits_soft_cap=5.0)
   try:
     results["decoder"] = {"ok": True, **_decoder_check()}
   except Exception:
@@ -364,6 +376,11 @@ def test_segment_ids_need_an_implementation_with_mask_arrays(ring_results):
   assert "segment_ids" in msg and "dense_test" in msg, msg
 
 
+def test_soft_cap_needs_an_implementation_with_it(ring_results):
+  msg = ring_results["soft-cap-unsupported"]
+  assert "soft_cap" in msg and "dense_test" in msg, msg
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
 def test_computed_chunk_pairs_are_exactly_the_visible_ones(P, layout):
@@ -412,7 +429,8 @@ def test_zigzag_permute_round_trip(P, axis):
     np.testing.assert_array_equal(shard, np.concatenate([chunks[i], chunks[2 * P - 1 - i]]))
 
 
-def test_one_device_ring_is_attention():
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_one_device_ring_is_attention(soft_cap):
   import jax
   import jax.numpy as jnp
   import jflash
@@ -422,8 +440,10 @@ def test_one_device_ring_is_attention():
   q = jnp.asarray(rng.standard_normal((1, 12, 4, 8)), jnp.float32)
   kv = jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32)
   ring = parallel.sharded_ring_attention(parallel.make_mesh(1), is_causal=True,
-                                         check_vma=False, implementation="xla_chunked")
-  want = jflash.attention(q, kv, kv, is_causal=True, implementation="xla_chunked")
+                                         check_vma=False, implementation="xla_chunked",
+                                         logits_soft_cap=soft_cap)
+  want = jflash.attention(q, kv, kv, is_causal=True, implementation="xla_chunked",
+                          logits_soft_cap=soft_cap)
   np.testing.assert_allclose(jax.jit(ring)(q, kv, kv), want, rtol=0, atol=1e-6)
 
 
@@ -452,6 +472,12 @@ def test_errors():
     run(x, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
   with pytest.raises(ValueError, match="kv segment_ids must be an integer array"):
     run(x, x, segment_ids=(jnp.zeros((1, 6), jnp.int32), jnp.zeros((1, 6))))
+  with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number, got -1.0"):
+    run(x, x, logits_soft_cap=-1.0)
+  # The models' attention under context parallelism: the ring's options only.
+  from jflash.nn import core_attention
+  with pytest.raises(NotImplementedError, match=r"options \['local_window_size'\]"):
+    core_attention(x, x, x, context_parallel_axis="sp", local_window_size=2)
   run(x[:, :5], x[:, :3])  # non-causal attention takes any local lengths
 
 
