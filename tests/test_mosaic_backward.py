@@ -370,13 +370,15 @@ def test_lowers_off_table_head_dims(H, causal):
   assert text.count("@mosaic_gpu") == 2 and "wgmma" in text
 
 
-@pytest.mark.parametrize("H", [160, 192])
+@pytest.mark.parametrize("H", [144, 192, 224])
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_two_dq_consumers_above_head_dim_128(H, causal):
-  """The warp-specialised dQ kernel at head dims split by role: three warpgroups, the
-  consumers at the backward's register split."""
+  """The default warp-specialised dQ kernel at head dims split by role, from the
+  narrowest to the widest that fit: three warpgroups, the consumers at the backward's
+  register split."""
   from tests.test_mosaic import _kernel_modules
-  config = mb.BackwardConfig(consumers=2, dq_consumers=2, dq_block_n=64)
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal)
+  assert mb.dq_consumers_of(H, config) == 2
   modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))
   assert len(modules) == 2 and all("wgmma" in m for m in modules)
   counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", modules[1]))
