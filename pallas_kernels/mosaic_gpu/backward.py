@@ -236,12 +236,12 @@ CAUSAL_MIN_PROGRAMS = 512
 # Above head_dim 128 (`by_role`) the dQ kernel's two consumers and a producer, on key
 # tiles of 64 (ROWS) where both consumers' Q and dO fit shared memory beside the K/V
 # slots (up to d = 224 at stages 2, d = 176 at 3; one warpgroup at d 240-256), against
-# one warpgroup streaming its own tiles. fwd+bwd TF/s on the H200 at 4K d192 (batch 4, 8 heads), two processes
-# (mosaic_bwd_dq2_d192_time_h200.json, ..._time2_h200.json): 433.1 / 433.6 against
-# 388.6 / 382.7, causal 399.0 / 397.2 against 362.9 / 360.8 (cuDNN 373.8 / 372.4,
-# causal 330.4 / 329.9); gradients within the rule at d160 and d192
-# (mosaic_backward_check_dq2_h200.json). One warpgroup's dQ program loads its K and V
-# tiles between its own products; two consumers share a producer's stream.
+# one warpgroup streaming its own tiles. fwd+bwd TF/s on the H200 at 4K d192 (batch 4,
+# 8 heads), two processes (mosaic_bwd_dq2_d192_time_h200.json, ..._time2_h200.json):
+# 433.1 / 433.6 against 388.6 / 382.7, causal 399.0 / 397.2 against 362.9 / 360.8
+# (cuDNN 373.8 / 372.4, causal 330.4 / 329.9); gradients within the rule at d160 and
+# d192 (mosaic_backward_check_dq2_h200.json). One warpgroup's dQ program loads its K
+# and V tiles between its own products; two consumers share a producer's stream.
 DQ_CONSUMERS_ABOVE_128 = 2
 
 
@@ -303,11 +303,10 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   persistent, the persistent grids for a call with one key head per query head and no
   causal mask (`persistent_wins`) where both kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
-  on key tiles of 64 where they fit shared memory; for a causal
-  call whose dK/dV
-  grid has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's,
-  the fewest splits of its GQA group (N / K query heads) that reach it, or the most
-  that fit shared memory. (Under jax.vmap, B is one problem's batch: the
+  on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
+  has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
+  fewest splits of its GQA group (N / K query heads) that reach it, or the most that
+  fit shared memory. (Under jax.vmap, B is one problem's batch: the
   grid is then larger than counted, and the split at most larger than needed.)"""
   B, S, K, H = k_shape
   group = q_shape[2] // K
