@@ -130,9 +130,6 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    sum_by_product: the softmax's row sums as a matrix product of P with a tile of
-      ones beside P V, in place of adding P's elements in the softmax (not with
-      overlap).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
@@ -193,7 +190,7 @@ class MosaicGPUConfig(BackendConfig):
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "sum_by_product")
+      "consumer_registers")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -212,7 +209,6 @@ class MosaicGPUConfig(BackendConfig):
   consumers: int | None = None
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  sum_by_product: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -237,7 +233,7 @@ class MosaicGPUConfig(BackendConfig):
       named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
                               lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
-    for name in ("persistent", "overlap", "sum_by_product"):   # the record checks ping_pong
+    for name in ("persistent", "overlap"):     # the kernel's record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
     # The forward's rules live with the kernel's record too: building one from the

@@ -178,16 +178,10 @@ def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, orde
     (dict(consumers=3, ping_pong=True), "consumers=3 needs ping_pong=False"),
     (dict(ping_pong=0), "ping_pong=0"), (dict(consumer_registers=0), "consumer_registers=0"),
     (dict(consumers=3, consumer_registers=168), "consumer_registers=168"),
-    (dict(sum_by_product=1), "sum_by_product=1"),
 ])
 def test_tile_validation(kw, bad):
   with pytest.raises(ValueError, match=bad):
     mf.MosaicConfig(**kw)
-
-
-def test_sum_by_product_is_not_built_into_the_overlap():
-  with pytest.raises(NotImplementedError, match="sum_by_product.*overlap"):
-    jflash.MosaicGPUConfig(overlap=True, sum_by_product=True)
 
 
 # Head dims between the table's: each swizzle width, and both sides of by_role's 128.
@@ -353,19 +347,6 @@ def test_lowers_overlapped_with_every_mask_path():
   assert "mosaic_gpu" in _lowered(64, opts, _segments_and_lengths, config=config)
 
 
-@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
-def test_lowers_with_the_row_sums_as_a_product(H):
-  """One more warpgroup product per key tile (P times the ones tile), into a
-  [64, SUM_COLS] accumulator of its own: through Mosaic GPU's checks of its operands."""
-  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  config = mf.default_config(H, True)
-  plain = _kernel_module(_lowered(H, opts, _segments_and_lengths, config=config))
-  by_product = _kernel_module(_lowered(
-      H, opts, _segments_and_lengths, config=dataclasses.replace(config, sum_by_product=True)))
-  sum_products = f"wgmma.mma_async.sync.aligned.m64n{mf.SUM_COLS}k16"
-  assert sum_products not in plain and sum_products in by_product
-
-
 def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
   config = mf.MosaicConfig(64, 64, 3, pv_in_place=False)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(), config=config)
@@ -395,20 +376,14 @@ def _check_against_reference(q, k, v, out, lse, **kw):
 THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolves to False
 
 
-SUM_BY_PRODUCT = dict(sum_by_product=True)
-
-
 @pytest.mark.parametrize("variant, H", [({}, 64), (dict(overlap=True), 64),
-                                        (THREE_CONSUMERS, 64), ({}, 80), (SUM_BY_PRODUCT, 64),
-                                        ({**SUM_BY_PRODUCT, **THREE_CONSUMERS}, 80),
-                                        ({**SUM_BY_PRODUCT, "pv_in_place": False}, 64)])
+                                        (THREE_CONSUMERS, 64), ({}, 80)])
 def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
   """Two programs of 128 rows (T = 130), the last one mostly padding (with three
   consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
   through 2 slots, so the producer refills slots behind the consumed barriers; with the
   two consumers ping-ponged, with the softmax overlapped with P V in each consumer, or
-  with three unsynchronised consumers; at a head dim off the table; and with the row
-  sums taken as a product (into O's own accumulator or a fresh one)."""
+  with three unsynchronised consumers; and at a head dim off the table."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, H), jnp.bfloat16, seed=1)[:3]
   config = mf.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
@@ -435,8 +410,8 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant)
                            is_causal=causal)
 
 
-@pytest.mark.parametrize("fields", [{}, dict(overlap=True), SUM_BY_PRODUCT])
-def test_interpreted_masks_through_the_adapter(fields):
+@pytest.mark.parametrize("overlap", [None, True])
+def test_interpreted_masks_through_the_adapter(overlap):
   """Window, segments (one query segment sees no key: empty rows), soft cap, key and
   query lengths including 0, through jflash's adapter; T != S; fp16."""
   B, T, S = 2, 100, 120
@@ -450,10 +425,8 @@ def test_interpreted_masks_through_the_adapter(fields):
             segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)),
             query_seq_lengths=jnp.asarray([100, 0], jnp.int32),
             key_value_seq_lengths=jnp.asarray([70, 120], jnp.int32))
-  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(**fields), **kw)
-  config = mosaic_impl.kernel_config(q, cfg, masks)
-  assert config.overlap == fields.get("overlap", False)
-  assert config.sum_by_product == fields.get("sum_by_product", False)
+  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(overlap=overlap), **kw)
+  assert mosaic_impl.kernel_config(q, cfg, masks).overlap == bool(overlap)
   qz, kz, vz = api._zero_padding(q, k, v, masks)
   out, lse = mosaic_impl.forward(qz, kz, vz, cfg, masks)
   empty = _check_against_reference(q, k, v, out, lse, **kw)
@@ -483,12 +456,10 @@ def test_interpreted_negative_scale():
   _check_against_reference(q, k, v, out, lse, scale=-0.2)
 
 
-@pytest.mark.parametrize("fields", [{}, SUM_BY_PRODUCT])
-def test_interpreted_nan_reaches_only_its_row(fields):
+def test_interpreted_nan_reaches_only_its_row():
   q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
   q = q.at[0, 9, 0, 3].set(jnp.nan)
-  config = dataclasses.replace(mf.default_config(64), **fields)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, config=config, interpret=True)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True)
   bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
   assert bad.tolist() == [t == 9 for t in range(64)]
   assert np.isnan(np.asarray(lse)[0, 0, 9])

@@ -58,10 +58,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
 SEMANTICS = ("lane", "warpgroup")
-# Columns of the ones tile whose product with P is the row sum (`sum_by_product`): the
-# narrowest B operand of a warpgroup product in shared memory, 16 elements of 2 bytes
-# filling one 32-byte swizzle row (`smem_layout`); every column holds the same sum.
-SUM_COLS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +89,6 @@ class MosaicConfig:
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  sum_by_product: the softmax's row sum on the tensor cores: P times a [block_k,
-    SUM_COLS] tile of ones, issued beside P V into a second accumulator that the
-    rescale multiplies with O, in place of one float32 add per element of P and the
-    row's quad shuffles per tile (the softmax at d = 64 is bound by instruction
-    issue; experiments/results/mosaic_notes.md). The sum is then of P as rounded to
-    the input dtype, the weights P V is taken with.
   """
 
   block_q: int = 64
@@ -111,7 +101,6 @@ class MosaicConfig:
   consumers: int = 2
   ping_pong: bool | None = None
   consumer_registers: int | None = None
-  sum_by_product: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -131,11 +120,6 @@ class MosaicConfig:
     if self.ping_pong and self.consumers != 2:
       raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
                        "needs ping_pong=False")
-    if not isinstance(self.sum_by_product, bool):
-      raise ValueError(f"sum_by_product={self.sum_by_product!r} must be a bool")
-    if self.sum_by_product and self.overlap:
-      raise NotImplementedError("sum_by_product is built into the ping-pong loop, "
-                                "not the in-warpgroup overlap (overlap=True)")
     c, launch = self.register_split()[0], launch_registers(self.consumers)
     most = (launch * (self.consumers + 1) - MIN_REGISTERS) // self.consumers // 8 * 8
     if type(c) is not int or c % 8 or not launch <= c <= most:
@@ -266,13 +250,11 @@ SMEM_SLACK = 1024
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
-  """Shared memory of one program: Q (reused for O), the K/V slots, the ones tiles of
-  `sum_by_product`, lse rows, slack.
+  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows, slack.
   (The compile reserves no reduction scratch: `compiler_params`.)"""
   q = config.consumers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
-  ones = config.consumers * config.block_k * SUM_COLS * itemsize if config.sum_by_product else 0
-  return q + kv + ones + config.consumers * config.block_q * 4 + SMEM_SLACK
+  return q + kv + config.consumers * config.block_q * 4 + SMEM_SLACK
 
 
 def check_head_dim_and_dtype(q, what: str):
@@ -458,11 +440,6 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
     q_smem = qo_smem.at[wg]
-    by_product = config.sum_by_product
-    if by_product:     # each consumer's own ones tile, written once per program
-      ones_smem = r["ones_smem"].at[wg]
-      ones_smem[...] = cast(jnp.ones((bk, SUM_COLS), dtype), wgmma_layout)
-      plgpu.commit_smem()            # visible to the tensor cores' reads
 
     def item(coords, tiles):
       i, n, b = coords
@@ -478,9 +455,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       plgpu.barrier_wait(q_loaded.at[wg])
 
       m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-      # l_i: the row sums, or with `by_product` their accumulator [bq, SUM_COLS].
-      l_i = cast(jnp.zeros((bq, SUM_COLS) if by_product else (bq,), jnp.float32),
-                 wgmma_layout if by_product else row_layout)
+      l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
       acc = cast(jnp.zeros((bq, H), jnp.float32), wgmma_layout)
 
       def online_softmax(s, j, masked, m_i, l_i):
@@ -511,10 +486,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        if by_product:     # rescaled here; this tile's P is added by its product
-          l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [0])
-        else:
-          l_i = l_i * alpha + p.sum(axis=1)
+        l_i = l_i * alpha + p.sum(axis=1)
         return p.astype(dtype), alpha, m_new, l_i
 
       def sequential(acc, m_i, l_i):
@@ -555,34 +527,22 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           def wait_next_k():                        # under this tile's P V product
             pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
 
-          def pv(refs):      # O (and with `by_product` the row sums) += P [V | ones]
-            acc_ref, l_ref = refs
+          def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            if by_product:
-              plgpu.wgmma(l_ref, p16, ones_smem)
             wait_next_k()
 
-          def pv_fresh(*refs):
-            pv(refs if by_product else (*refs, None))
-            return tuple(ref[...] for ref in refs)
+          def pv_fresh(acc_ref):
+            pv(acc_ref)
+            return acc_ref[...]
           if interpret:      # the interpreter's wgmma takes no register operand
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
                 p16, v_smem[slot], preferred_element_type=jnp.float32)
-            if by_product:
-              l_i = l_i + jnp.dot(p16, ones_smem[...], preferred_element_type=jnp.float32)
             wait_next_k()
           elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
-            acc, l_new = pl.run_state(pv)(
-                (plgpu.ACC.init(acc), plgpu.ACC.init(l_i) if by_product else None))
-            l_i = l_new if by_product else l_i
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
           else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
-            fresh = [plgpu.ACC((bq, H), jnp.float32)]
-            if by_product:
-              fresh.append(plgpu.ACC((bq, SUM_COLS), jnp.float32))
-            products = pl.run_scoped(pv_fresh, *fresh)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + products[0]
-            if by_product:
-              l_i = l_i + products[1]
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+                pv_fresh, plgpu.ACC((bq, H), jnp.float32))
           plgpu.barrier_arrive(v_consumed.at[slot])
           return acc, m_new, l_i
 
@@ -663,8 +623,6 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         return acc, m_i, l_i
 
       acc, m_i, l_i = (overlapped if config.overlap else sequential)(acc, m_i, l_i)
-      if by_product:     # every column holds the sum (their mean is it, to rounding)
-        l_i = l_i.sum(axis=1) * (1.0 / SUM_COLS)
 
       # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
       # 0 and lse = -inf; a NaN sum stays NaN.
@@ -780,9 +738,6 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
       v_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
       lse_smem=plgpu.SMEM((C, bq), jnp.float32),
-      **({"ones_smem": plgpu.SMEM((C, bk, SUM_COLS), q.dtype,
-                                  **smem_layout(SUM_COLS, q.dtype.itemsize))}
-         if config.sum_by_product else {}),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
       q_loaded=plgpu.Barrier(num_barriers=C),
