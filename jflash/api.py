@@ -154,6 +154,17 @@ def _check_int_array(name, x, shape):
     raise ValueError(f"{name} must have shape {shape}, got {name}.shape={tuple(x.shape)}")
 
 
+def check_lengths(name: str, x, B: int, n: int) -> Array:
+  """Sequence lengths `x` as int32 [B]: ValueError unless an integer array of shape
+  (B,) whose values, where concrete, lie in [0, n]."""
+  _check_int_array(name, x, (B,))
+  if _is_concrete(x):
+    bad = np.asarray(x)
+    if bad.size and (bad.min() < 0 or bad.max() > n):
+      raise ValueError(f"{name} must lie in [0, {n}], got {bad.tolist()}")
+  return jnp.asarray(x, jnp.int32)
+
+
 def _check_dense(name, x, B, N, T, S, kind):
   if not hasattr(x, "shape") or x.ndim != 4:
     raise ValueError(f"{name} must be a rank-4 [B|1, N|1, T, S] array, got "
@@ -309,17 +320,9 @@ def prepare(
   if mask is not None:
     _check_dense("mask", mask, B, N, T, S, "mask")
     mask = jnp.asarray(mask)
-  lengths = {}
-  for name, x, n in (("query_seq_lengths", query_seq_lengths, T),
-                     ("key_value_seq_lengths", key_value_seq_lengths, S)):
-    if x is None:
-      continue
-    _check_int_array(name, x, (B,))
-    if _is_concrete(x):
-      bad = np.asarray(x)
-      if bad.min() < 0 or bad.max() > n:
-        raise ValueError(f"{name} must lie in [0, {n}], got {bad.tolist()}")
-    lengths[name] = jnp.asarray(x, jnp.int32)
+  lengths = {name: check_lengths(name, x, B, n) for name, x, n in (
+      ("query_seq_lengths", query_seq_lengths, T),
+      ("key_value_seq_lengths", key_value_seq_lengths, S)) if x is not None}
   q_seg, kv_seg = segment_id_arrays(segment_ids, B, T, S)
   seed = None
   if dropout_rate > 0:

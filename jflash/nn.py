@@ -210,12 +210,12 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
   """
   if context_parallel_axis is not None:
     from jflash import parallel
-    unsupported = sorted(set(options) - {"config", "logits_soft_cap"})
+    unsupported = sorted(set(options) - set(parallel.RING_OPTIONS))
     if implementation in JAX_NN_IMPLEMENTATIONS or unsupported:
       raise NotImplementedError(
           f"context_parallel_axis: ring attention runs jflash implementations with "
-          f"config and logits_soft_cap only, got {implementation=} and options "
-          f"{unsupported}")
+          f"the options {sorted(parallel.RING_OPTIONS)} only, got {implementation=} "
+          f"and options {unsupported}")
     return parallel.ring_attention(q, k, v, axis_name=context_parallel_axis,
                                    is_causal=is_causal, scale=scale,
                                    implementation=implementation,

@@ -32,10 +32,15 @@ zigzag layout as in Megatron-LM context parallelism / zhuzilin's ring-flash-atte
             its `Masks`; blocks that segments alone mask fully are not skipped.
   soft cap  logits -> cap tanh(logits / cap) (Gemma 2) acts on each logit alone, so
             every block call applies it and the lse merge is unchanged.
+  lengths   global query and key lengths [B] (padded batches). The valid tokens of a
+            shard are a prefix of it in both layouts (`shard_lengths`), so each block
+            call gets its shard's counts as its own lengths; the key counts travel
+            with their block ([B] int32).
 
 Bytes one device sends per call, with kv = B * (S/P) * K * H * itemsize: forward
 2(P-1) kv; backward 2(P-1) kv for the blocks plus 2P kv' for the dK/dV accumulators
-(kv' in float32, the accumulation dtype), plus the int32 key ids when given.
+(kv' in float32, the accumulation dtype), plus the int32 key ids and key counts when
+given.
 
 Memory per device is linear in the local sequence length: one query shard, two
 key/value blocks in flight (the current one and the next), the float32 accumulators,
@@ -61,6 +66,9 @@ from jflash.reference import stat_dtype
 Array = jax.Array
 
 LAYOUTS = ("zigzag", "contiguous")
+# The options of `jflash.attention` that `ring_attention` takes beside is_causal,
+# scale, segment_ids and implementation (what `jflash.nn` may pass on to it).
+RING_OPTIONS = ("query_seq_lengths", "key_value_seq_lengths", "logits_soft_cap", "config")
 
 
 # -- mesh, specs and the token order ------------------------------------------------
@@ -142,6 +150,26 @@ def shard_positions(local_len: int, axis_name: str, layout: str = "zigzag") -> A
   size = lax.axis_size(axis_name)
   first, second = i * c, (2 * size - 1 - i) * c
   return jnp.concatenate([first + jnp.arange(c), second + jnp.arange(c)]).astype(jnp.int32)
+
+
+def shard_lengths(lengths: Array, shard, local_len: int, num_shards: int,
+                  layout: str = "zigzag") -> Array:
+  """How many of shard `shard`'s `local_len` tokens lie below the global `lengths`
+  ([B] int), [B] int32: works on Python ints and on traced ones (`lax.axis_index`).
+
+  Those tokens are a prefix of the shard in both layouts, so the count is the shard's
+  own length mask. Contiguous: the shard is one run of positions. Zigzag: it holds
+  chunk j and then chunk 2P-1-j of c = local_len/2 tokens; a length reaching into the
+  later chunk passes all of the earlier one, so the valid tokens of the two chunks are
+  again a prefix of the shard.
+  """
+  _check_layout(layout)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  if layout == "contiguous":
+    return jnp.clip(lengths - shard * local_len, 0, local_len)
+  c = local_len // 2
+  return (jnp.clip(lengths - shard * c, 0, c)
+          + jnp.clip(lengths - (2 * num_shards - 1 - shard) * c, 0, c))
 
 
 # -- which part of a (query shard, key/value block) pair is computed ----------------
@@ -242,61 +270,68 @@ def _pad_seq(x, before, after, axis):
   return jnp.pad(x, pad)
 
 
-def _block_masks(ring: _Ring, causal: bool, q_seg, kv_seg) -> Masks:
-  """The masks of one block call: its own causal flag, the call's soft cap and the
-  block's segment ids, if any."""
-  return Masks(is_causal=causal, soft_cap=ring.soft_cap, q_segment_ids=q_seg,
-               kv_segment_ids=kv_seg)
+# A shard's side of a block call, as a dict: the query side {"q", and "seg" / "len"
+# when given} stays home; the key side {"k", "v", "seg" / "len"} travels as one.
+
+def _head(side: dict, c: int) -> dict:
+  """The first chunk (c tokens) of a shard's side; its valid tokens are a prefix."""
+  return {n: jnp.minimum(x, c) if n == "len" else x[:, :c] for n, x in side.items()}
 
 
-# A block's key side is the tuple (k, v) or (k, v, kv_segment_ids): it travels as one.
+def _tail(side: dict, c: int) -> dict:
+  """The second chunk of a shard's side."""
+  return {n: jnp.maximum(x - c, 0) if n == "len" else x[:, c:] for n, x in side.items()}
 
-def _block_forward(ring: _Ring, case: int, q, q_seg, kv):
+
+def _block_call(ring: _Ring, case: int, qs: dict, kv: dict):
+  """(query side, key side, causal) of the one implementation call of a case (not SKIP)."""
+  c = qs["q"].shape[1] // 2
+  if case in (FULL, DIAG):
+    return qs, kv, case == DIAG
+  if case == LOWER:  # all queries, the first key chunk
+    return qs, _head(kv, c), False
+  return _tail(qs, c), kv, False  # UPPER: the first query chunk sees nothing of it
+
+
+def _block_masks(ring: _Ring, causal: bool, qs: dict, kv: dict) -> Masks:
+  """The masks of one block call: its own causal flag, the call's soft cap, and the
+  sides' segment ids and lengths, if any."""
+  return Masks(is_causal=causal, soft_cap=ring.soft_cap, q_segment_ids=qs.get("seg"),
+               kv_segment_ids=kv.get("seg"), q_lengths=qs.get("len"),
+               kv_lengths=kv.get("len"))
+
+
+def _block_forward(ring: _Ring, case: int, qs: dict, kv: dict):
   """One block's partial (out in the stat dtype, lse), always of the local query shape."""
-  k, v, kv_seg = kv if len(kv) == 3 else (*kv, None)
+  q = qs["q"]
   acc = stat_dtype(q.dtype)
-  c = q.shape[1] // 2
-  head = lambda x: None if x is None else x[:, :c]
-  tail = lambda x: None if x is None else x[:, c:]
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
-  if case in (FULL, DIAG):
-    out, lse = ring.impl.forward(q, k, v, ring.cfg,
-                                 _block_masks(ring, case == DIAG, q_seg, kv_seg))
-  elif case == LOWER:
-    out, lse = ring.impl.forward(q, head(k), head(v), ring.cfg,
-                                 _block_masks(ring, False, q_seg, head(kv_seg)))
-  else:  # UPPER: the first query chunk sees nothing of this block
-    out, lse = ring.impl.forward(tail(q), k, v, ring.cfg,
-                                 _block_masks(ring, False, tail(q_seg), kv_seg))
+  qc, kc, causal = _block_call(ring, case, qs, kv)
+  out, lse = ring.impl.forward(qc["q"], kc["k"], kc["v"], ring.cfg,
+                               _block_masks(ring, causal, qc, kc))
+  if case == UPPER:
+    c = q.shape[1] // 2
     out = _pad_seq(out, c, 0, 1)
     lse = jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2)
   return out.astype(acc), lse.astype(acc)
 
 
-def _block_backward(ring: _Ring, case: int, q, q_seg, kv, out, lse, dout, dlse):
+def _block_backward(ring: _Ring, case: int, qs: dict, kv: dict, out, lse, dout, dlse):
   """One block's terms of (dq, dk, dv) from the global out/lse, in the stat dtype."""
-  k, v, kv_seg = kv if len(kv) == 3 else (*kv, None)
+  q, k, v = qs["q"], kv["k"], kv["v"]
   acc = stat_dtype(q.dtype)
-  c = q.shape[1] // 2
-  head = lambda x: None if x is None else x[:, :c]
-  tail = lambda x: None if x is None else x[:, c:]
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
-  if case in (FULL, DIAG):
-    grads = ring.impl.backward(q, k, v, out, lse, dout, dlse, ring.cfg,
-                               _block_masks(ring, case == DIAG, q_seg, kv_seg))
-    dq, dk, dv = grads[:3]
-  elif case == LOWER:
-    grads = ring.impl.backward(q, head(k), head(v), out, lse, dout, dlse, ring.cfg,
-                               _block_masks(ring, False, q_seg, head(kv_seg)))
-    dq, dk, dv = grads[:3]
+  qc, kc, causal = _block_call(ring, case, qs, kv)
+  c = q.shape[1] // 2
+  if case == UPPER:  # the residuals of the queries it takes
+    out, lse, dout, dlse = out[:, c:], lse[..., c:], dout[:, c:], dlse[..., c:]
+  dq, dk, dv = ring.impl.backward(qc["q"], kc["k"], kc["v"], out, lse, dout, dlse,
+                                  ring.cfg, _block_masks(ring, causal, qc, kc))[:3]
+  if case == LOWER:
     dk, dv = _pad_seq(dk, 0, c, 1), _pad_seq(dv, 0, c, 1)
-  else:  # UPPER
-    grads = ring.impl.backward(tail(q), k, v, tail(out), lse[..., c:], tail(dout),
-                               dlse[..., c:], ring.cfg,
-                               _block_masks(ring, False, tail(q_seg), kv_seg))
-    dq, dk, dv = grads[:3]
+  elif case == UPPER:
     dq = _pad_seq(dq, c, 0, 1)
   return dq.astype(acc), dk.astype(acc), dv.astype(acc)
 
@@ -316,39 +351,45 @@ def _case_at(ring: _Ring, step):
   return block_case(i, j, is_causal=ring.is_causal, layout=ring.layout)
 
 
-def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+def _sides(q, k, v, q_seg, kv_seg, q_len, kv_len):
+  """The query side and this device's key side (`_block_call`), without absent fields."""
+  given = lambda **side: {n: x for n, x in side.items() if x is not None}
+  return given(q=q, seg=q_seg, len=q_len), given(k=k, v=v, seg=kv_seg, len=kv_len)
+
+
+def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg, q_len, kv_len):
   cases = _step_cases(ring.is_causal, ring.layout)
   ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
-  kv = (k, v) if kv_seg is None else (k, v, kv_seg)
+  qs, kv = _sides(q, k, v, q_seg, kv_seg, q_len, kv_len)
   # Step 0 is the own block (the diagonal when causal). Its send is issued first.
   nxt = ppermute(kv) if ring.size > 1 else kv
-  o, l = _block_forward(ring, DIAG if ring.is_causal else FULL, q, q_seg, kv)
+  o, l = _block_forward(ring, DIAG if ring.is_causal else FULL, qs, kv)
 
   def step(carry, s):
     o, l, kv = carry
     nxt = ppermute(kv)  # the next block's transfer, independent of this step's compute
-    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, s), q, q_seg, kv)
+    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, s), qs, kv)
     return (*_merge(o, l, o2, l2), nxt), None
 
   if ring.size > 2:
     (o, l, nxt), _ = lax.scan(step, (o, l, nxt), jnp.arange(1, ring.size - 1))
   if ring.size > 1:  # the last block: nothing left to send
-    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, ring.size - 1),
-                       q, q_seg, nxt)
+    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, ring.size - 1), qs, nxt)
     o, l = _merge(o, l, o2, l2)
   return o.astype(q.dtype), l
 
 
-def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
+def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse, dout,
+                   dlse):
   cases = _step_cases(ring.is_causal, ring.layout)
   ppermute = lambda x: lax.ppermute(x, ring.axis_name, ring.perm())
   res = (out, lse, dout, dlse)
-  kv = (k, v) if kv_seg is None else (k, v, kv_seg)
+  qs, kv = _sides(q, k, v, q_seg, kv_seg, q_len, kv_len)
   nxt = ppermute(kv) if ring.size > 1 else kv
-  dq, dk, dv = _block_backward(ring, DIAG if ring.is_causal else FULL, q, q_seg, kv, *res)
+  dq, dk, dv = _block_backward(ring, DIAG if ring.is_causal else FULL, qs, kv, *res)
 
   def contrib(s, kv):
-    return _dispatch(ring, _block_backward, cases, _case_at(ring, s), q, q_seg, kv, *res)
+    return _dispatch(ring, _block_backward, cases, _case_at(ring, s), qs, kv, *res)
 
   def step(carry, s):
     dq, kv, dkv = carry
@@ -371,21 +412,19 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, q_seg, kv_seg, ring: _Ring):
-  return _ring_forward(ring, q, k, v, q_seg, kv_seg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, q_seg, kv_seg, q_len, kv_len, ring: _Ring):
+  return _ring_forward(ring, q, k, v, q_seg, kv_seg, q_len, kv_len)
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, ring):
-  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+def _ring_fwd(q, k, v, q_seg, kv_seg, q_len, kv_len, ring):
+  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg, q_len, kv_len)
+  return (out, lse), (q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse)
 
 
 def _ring_bwd(ring, res, cotangents):
-  q, k, v, q_seg, kv_seg, out, lse = res
-  dout, dlse = cotangents
-  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
-  return dq, dk, dv, None, None  # segment ids are integers: no cotangent
+  dq, dk, dv = _ring_backward(ring, *res, *cotangents)
+  return dq, dk, dv, None, None, None, None  # ids and lengths are integers: no cotangent
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -423,6 +462,8 @@ def ring_attention(
     implementation: str | Sequence[str] | None = None,
     layout: str = "zigzag",
     segment_ids: Array | tuple[Array, Array] | None = None,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
     logits_soft_cap: float | None = None,
     config: BackendConfig | Sequence[BackendConfig] | None = None,
     return_residuals: bool = False,
@@ -447,6 +488,10 @@ def ring_attention(
       pair (`[B, T/P]`, `[B, S/P]`), in the same token order as q/k/v (permute them
       with `zigzag_permute` too). The key ids travel round the ring with their block.
       Needs a local implementation whose `supports` accepts segment ids.
+    query_seq_lengths, key_value_seq_lengths: GLOBAL lengths `[B]` int, the same on
+      every device (replicated): query rows at or past the length output zeros and
+      keys at or past it are masked, in the natural token order, as in
+      `jflash.attention`. With the zigzag layout each local length must be even.
     logits_soft_cap: logits -> cap * tanh(logits / cap) before the softmax, as in
       `jflash.attention`; None: no cap. Needs a local implementation that has it.
     config: backend config(s) of the local implementation, as in `jflash.attention`.
@@ -479,8 +524,23 @@ def ring_attention(
       raise ValueError(
           f"the zigzag layout needs an even local length (two chunks), got T/P={T}; "
           f"the global length must be a multiple of 2P = {2 * size}")
+  # Lengths are global: each shard's count is its own lengths (`shard_lengths`).
+  i = lax.axis_index(axis_name)
+  local = {}
+  for name, x, n in (("query_seq_lengths", query_seq_lengths, T),
+                     ("key_value_seq_lengths", key_value_seq_lengths, S)):
+    if x is None:
+      continue
+    if layout == "zigzag" and n % 2:
+      raise ValueError(f"{name} with the zigzag layout need an even local length (two "
+                       f"chunks), got {n}")
+    x = api.check_lengths(name, x, query.shape[0], size * n)
+    local[name] = shard_lengths(x, i, n, size, layout)
+  masks = dataclasses.replace(masks, q_lengths=local.get("query_seq_lengths"),
+                              kv_lengths=local.get("key_value_seq_lengths"))
   impl = _resolve(implementation, query, key, value, cfg, masks)
   out, lse = _ring(query, key, value, masks.q_segment_ids, masks.kv_segment_ids,
+                   masks.q_lengths, masks.kv_lengths,
                    _Ring(axis_name, size, layout, impl, cfg, masks.is_causal,
                          masks.soft_cap))
   return (out, lse) if return_residuals else out

@@ -49,6 +49,12 @@ CASES = [
     # Gemma 2's soft cap on every block's logits, with packed documents
     ("p4-causal-zigzag-gqa-softcap-segments", 4, True, "zigzag", 4, 2,
      {"logits_soft_cap": 2.0, "segments": True}),
+    # Padded batches: global query and key lengths that end inside zigzag chunks (of
+    # 12 tokens at P = 4), with packed documents; and a key length of 0 (empty rows).
+    ("p4-causal-zigzag-gqa-lengths-segments", 4, True, "zigzag", 4, 2,
+     {"lengths": ([96, 61], [70, 83]), "segments": True}),
+    ("p4-full-contiguous-gqa-lengths", 4, False, "contiguous", 4, 2,
+     {"lengths": ([40, 96], [0, 57])}),
     # The GPU default: the Pallas kernels (interpreted here) under
     # sharded_ring_attention's default check_vma.
     ("p2-causal-zigzag-gqa-pallas", 2, True, "zigzag", 4, 2,
@@ -160,6 +166,7 @@ def _run_case(P, causal, layout, N, K, extra):
   check_vma = extra.pop("check_vma", True)   # None: sharded_ring_attention's default
   residuals = extra.get("return_residuals", False)
   segments = extra.pop("segments", False)
+  lengths = extra.pop("lengths", None)
   soft_cap = extra.get("logits_soft_cap")
   if block_k:
     extra["config"] = jflash.ChunkedConfig(block_k=block_k)
@@ -174,11 +181,16 @@ def _run_case(P, causal, layout, N, K, extra):
   ids = np.cumsum(rng.random((B, T)) < 0.05, axis=1).astype(np.int32) if segments else None
   scale = extra.get("scale", 1 / np.sqrt(H))
 
+  len_kw = {}   # global [B] lengths: the same arguments for the ring and the reference
+  if lengths is not None:
+    len_kw = dict(query_seq_lengths=np.asarray(lengths[0], np.int32),
+                  key_value_seq_lengths=np.asarray(lengths[1], np.int32))
+
   mesh = parallel.make_mesh(P)
   if check_vma is not None:
     extra["check_vma"] = check_vma
   ring = parallel.sharded_ring_attention(mesh, "sp", is_causal=causal, layout=layout,
-                                         with_segment_ids=segments, **extra)
+                                         with_segment_ids=segments, **extra, **len_kw)
   zz = layout == "zigzag"
   seg_args = () if ids is None else (jnp.asarray(ids),)
   seg_kw = {} if ids is None else {"segment_ids": jnp.asarray(ids)}
@@ -197,7 +209,7 @@ def _run_case(P, causal, layout, N, K, extra):
     out, lse = jflash.attention(q, k, v, is_causal=causal, scale=scale,
                                 implementation="xla_chunked", config=extra.get(
                                     "config"), logits_soft_cap=soft_cap,
-                                return_residuals=True, **seg_kw)
+                                return_residuals=True, **seg_kw, **len_kw)
     return jnp.sum(out * do) + jnp.sum(lse * dl), (out, lse)
 
   got = {}
@@ -205,7 +217,14 @@ def _run_case(P, causal, layout, N, K, extra):
     grads, (out, lse) = jax.jit(jax.grad(fn, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     got[name] = dict(zip(("out", "lse", "dq", "dk", "dv"),
                          (np.asarray(x, np.float64) for x in (out, lse, *grads))))
-  truth = _truth(q, k, v, do, dl, scale, causal, ids, soft_cap)
+  if lengths is None:
+    truth = _truth(q, k, v, do, dl, scale, causal, ids, soft_cap)
+  else:   # rows past a length are empty: the reference with every option
+    assert not residuals
+    import jflash
+    truth = dict(zip(("out", "lse", "dq", "dk", "dv"), jflash.attention_numpy(
+        q, k, v, scale=scale, is_causal=causal, logits_soft_cap=soft_cap, dout=do,
+        **{n: np.asarray(x) for n, x in {**seg_kw, **len_kw}.items()})))
   quantities = ("out", "lse", "dq", "dk", "dv") if residuals else ("out", "dq", "dk", "dv")
   err = lambda a, b: float(np.max(np.abs(a - b)))
   return {n: {"ring_vs_truth": err(got["ring"][n], truth[n]),
@@ -429,8 +448,27 @@ def test_zigzag_permute_round_trip(P, axis):
     np.testing.assert_array_equal(shard, np.concatenate([chunks[i], chunks[2 * P - 1 - i]]))
 
 
-@pytest.mark.parametrize("soft_cap", [None, 2.0])
-def test_one_device_ring_is_attention(soft_cap):
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_shard_lengths_count_a_prefix_of_each_shard(P, layout):
+  """A shard's tokens below a global length are its first `shard_lengths` tokens."""
+  import jax.numpy as jnp
+  from jflash import parallel
+
+  L = 10                                   # local length: zigzag chunks of 5
+  tokens = np.arange(P * L)[None]
+  if layout == "zigzag":
+    tokens = np.asarray(parallel.zigzag_permute(jnp.asarray(tokens), P))
+  lengths = np.arange(P * L + 1)           # every length, one per row
+  for i in range(P):
+    shard = tokens[0, i * L:(i + 1) * L]
+    count = np.asarray(parallel.shard_lengths(lengths, i, L, P, layout))
+    valid = shard[None, :] < lengths[:, None]
+    np.testing.assert_array_equal(valid, np.arange(L)[None, :] < count[:, None])
+
+
+@pytest.mark.parametrize("soft_cap, lengths", [(None, False), (2.0, False), (None, True)])
+def test_one_device_ring_is_attention(soft_cap, lengths):
   import jax
   import jax.numpy as jnp
   import jflash
@@ -439,11 +477,15 @@ def test_one_device_ring_is_attention(soft_cap):
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, 12, 4, 8)), jnp.float32)
   kv = jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32)
+  len_kw = {}
+  if lengths:
+    len_kw = dict(query_seq_lengths=jnp.asarray([9], jnp.int32),
+                  key_value_seq_lengths=jnp.asarray([5], jnp.int32))
   ring = parallel.sharded_ring_attention(parallel.make_mesh(1), is_causal=True,
                                          check_vma=False, implementation="xla_chunked",
-                                         logits_soft_cap=soft_cap)
+                                         logits_soft_cap=soft_cap, **len_kw)
   want = jflash.attention(q, kv, kv, is_causal=True, implementation="xla_chunked",
-                          logits_soft_cap=soft_cap)
+                          logits_soft_cap=soft_cap, **len_kw)
   np.testing.assert_allclose(jax.jit(ring)(q, kv, kv), want, rtol=0, atol=1e-6)
 
 
@@ -474,6 +516,15 @@ def test_errors():
     run(x, x, segment_ids=(jnp.zeros((1, 6), jnp.int32), jnp.zeros((1, 6))))
   with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number, got -1.0"):
     run(x, x, logits_soft_cap=-1.0)
+  # lengths are global: [B] ints in [0, P * local length]
+  with pytest.raises(ValueError, match=r"query_seq_lengths must lie in \[0, 6\], got \[7\]"):
+    run(x, x, query_seq_lengths=jnp.asarray([7], jnp.int32))
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths.shape=\(2,\)"):
+    run(x, x, key_value_seq_lengths=jnp.asarray([3, 3], jnp.int32))
+  with pytest.raises(ValueError, match="key_value_seq_lengths must be an integer array"):
+    run(x, x, key_value_seq_lengths=jnp.asarray([3.0]))
+  with pytest.raises(ValueError, match="key_value_seq_lengths with the zigzag layout need an even"):
+    run(x, x[:, :5], key_value_seq_lengths=jnp.asarray([3], jnp.int32))
   # The models' attention under context parallelism: the ring's options only.
   from jflash.nn import core_attention
   with pytest.raises(NotImplementedError, match=r"options \['local_window_size'\]"):
