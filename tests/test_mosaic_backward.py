@@ -117,6 +117,7 @@ def test_backward_choice_and_validation():
   # to 64, 128's up to 128 (MHA from MHA_PERSISTENT_MIN_SEQ, grouped heads), 256's above.
   plain = jflash.prepare(q128, q128, q128)
   for H, (B, T, N, K), chosen in ((48, (1, n_p, 1, 1), "pallas"),
+                                  (48, (1, mosaic_impl.D64_MIN_SEQ, 1, 1), "mosaic_gpu"),
                                   (80, (1, n_p, 1, 1), "mosaic_gpu"),
                                   (96, (1, n_p - 128, 1, 1), "pallas"),
                                   (96, (1, 64, 2, 1), "mosaic_gpu"),
@@ -125,6 +126,20 @@ def test_backward_choice_and_validation():
     q_off = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k_off = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
     assert mosaic_impl.backward_kind(q_off, k_off, *plain) == chosen, (H, B, T, N, K)
+  # head_dim 64: one key head per query head, no causal mask, from D64_MIN_SEQ rows,
+  # with the default config (dQ key tiles of 128)
+  n64 = mosaic_impl.D64_MIN_SEQ
+  for (B, T, N, K), causal, fields, chosen in (
+      ((4, n64, 32, 32), False, {}, "mosaic_gpu"),
+      ((4, n64, 32, 32), True, {}, "pallas"),                     # causal: Triton's
+      ((4, n64 // 2, 32, 32), False, {}, "pallas"),               # shorter
+      ((4, n64, 32, 8), False, {}, "pallas"),                     # grouped: untimed
+      ((4, n64, 32, 32), False, dict(backward_dq_block_n=64), "pallas")):  # untimed
+    q64 = jax.ShapeDtypeStruct((B, T, N, 64), jnp.bfloat16)
+    k64 = jax.ShapeDtypeStruct((B, T, K, 64), jnp.bfloat16)
+    own = jflash.prepare(q128, q128, q128, is_causal=causal,
+                         config=jflash.MosaicGPUConfig(**fields))
+    assert mosaic_impl.backward_kind(q64, k64, *own) == chosen, (B, T, N, K, causal, fields)
   mqa_q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)   # MQA 16/1 16K causal:
   mqa_k = jax.ShapeDtypeStruct((1, 16384, 1, 128), jnp.bfloat16)    # 128 programs x 4
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
@@ -181,13 +196,14 @@ def test_backward_choice_and_validation():
     with pytest.raises(ValueError, match=match):
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
-  # caller's choice kept
+  # caller's choice kept (at this head_dim, 64, dQ key tiles of 128 by default)
   own = lambda **fields: mosaic_impl.backward_config(q, k, jflash.prepare(
       q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))[0], masks)
-  assert own(backward_dq_block_n=128) == mb.BackwardConfig(
-      consumers=2, dq_block_n=128, dq_rows_in_registers=True)
-  assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(consumers=2)
-  assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1)
+  assert own(backward_dq_block_n=64) == mb.BackwardConfig(
+      consumers=2, dq_block_n=64, dq_rows_in_registers=True)
+  assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(
+      consumers=2, dq_block_n=128)
+  assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1, dq_block_n=128)
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
   with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_dq_rows_in_registers=True)
@@ -299,6 +315,22 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
     config = mb.call_config((1, 4096, 8, 144), (1, 4096, 8, 144), 2, causal=False, **fields)
     assert mb.dq_consumers_of(144, config) == 1, fields
   assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
+
+
+def test_dq_key_tiles_of_128_at_the_head_dims_of_64():
+  """The dQ kernel's key tiles at d <= 64 (d = 64's tiles): DQ_BLOCK_N_AT_64 (the
+  config timed on the H200) unless the caller set block_n or dq_block_n; elsewhere
+  block_n's."""
+  for H, want in ((16, 128), (48, 128), (64, 128), (80, None), (128, None), (192, None)):
+    shape = (1, 4096, 8, H)
+    for causal in (False, True):
+      config = mb.call_config(shape, shape, 2, causal=causal)
+      assert config.dq_block_n == want, (H, causal)
+      assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
+  shape = (1, 4096, 8, 64)
+  assert mb.call_config(shape, shape, 2, causal=False, block_n=128).dq_block_n is None
+  assert mb.call_config(shape, shape, 2, causal=False, dq_block_n=64).dq_block_n == 64
+  assert mb.call_config(shape, shape, 2, causal=False, fused_dq=True).dq_block_n is None
   # The dQ kernel's slots follow its own consumers: two for one warpgroup, else stages.
   tile = mb.ROWS * 128 * 2
   for consumers, dq, slots in ((2, 1, 2), (1, 2, 3)):
@@ -700,13 +732,14 @@ def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
 def test_interpreted_default_backward_splits_a_small_causal_group():
   """The adapter's default for a causal MQA call too small to fill the GPU: two
   consumers, a producer, the group split over every head (2 programs per key tile),
-  and the separate dQ kernel; gradients through jflash's custom_vjp within the rule."""
+  and the separate dQ kernel on key tiles of 128 (S = 72: one tile, its tail masked);
+  gradients through jflash's custom_vjp within the rule."""
   q, k, v, do = random_qkv((1, 64, 72, 2, 1, 64), jnp.bfloat16, seed=10)
   impl = api.get_implementation("mosaic_gpu")
   cfg, masks = jflash.prepare(q, k, v, is_causal=True,
                               config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
   assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
-      consumers=2, group_splits=2, dq_rows_in_registers=True)
+      consumers=2, group_splits=2, dq_block_n=128, dq_rows_in_registers=True)
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   _check_grads(got, q, k, v, do, is_causal=True)
 

@@ -244,6 +244,17 @@ CAUSAL_MIN_PROGRAMS = 512
 # and V tiles between its own products; two consumers share a producer's stream.
 DQ_CONSUMERS_ABOVE_128 = 2
 
+# At the head dims that take d = 64's tiles (`forward.table_head_dim`), the dQ kernel's
+# key tiles of 128 (JAX's Mosaic GPU kernel's dQ tile), unless the caller set block_n
+# or dq_block_n: half the tiles per query row of 64-key tiles, so half the slot
+# barriers and matrix-product waits per unit of work, with the dQ result (32
+# registers per thread), S and dP (64 each) within the consumers' 240. fwd+bwd TF/s on
+# the H200 at 4K d64 (batch 4, 32 heads), alternating rounds in two processes
+# (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json): 381.8 / 381.3
+# against 369.9 / 369.0 with 64, causal 309.9 / 303.3 against 295.4 / 299.3;
+# gradients within the rule at d64 (mosaic_bwd_d64_dq128_check_h200.json: 6/6).
+DQ_BLOCK_N_AT_64 = 128
+
 
 def stream_slots(consumers: int, stages: int) -> int:
   """Shared-memory slots of a kernel's streamed tiles: `stages` behind a producer
@@ -296,10 +307,12 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
-  caller's BackwardConfig `fields` over two consumers; unless the caller set
-  dq_rows_in_registers, the dQ kernel's rows in registers where it runs with two
-  (`dq_consumers_of`; not at the head dims split by role, where dQ alone takes d / 2
-  registers, nor with fused_dq, where no dQ kernel runs); unless the caller set
+  caller's BackwardConfig `fields` over two consumers; at the head dims of d = 64's
+  tiles, unless the caller set block_n or dq_block_n, dQ key tiles of
+  DQ_BLOCK_N_AT_64; unless the caller set dq_rows_in_registers, the dQ kernel's rows
+  in registers where it runs with two (`dq_consumers_of`; not at the head dims split
+  by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
+  kernel runs); unless the caller set
   persistent, the persistent grids for a call with one key head per query head and no
   causal mask (`persistent_wins`) where both kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
@@ -311,6 +324,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
+  if (table_head_dim(H) == 64 and not config.fused_dq
+      and not {"block_n", "dq_block_n"} & set(fields)):
+    config = dataclasses.replace(config, dq_block_n=DQ_BLOCK_N_AT_64)
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
       and (config.dq_block_n or config.block_n) == ROWS):
     two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
