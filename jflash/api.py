@@ -345,7 +345,7 @@ OPTIONS = frozenset({
     "implementation", "config", "return_residuals"})
 
 
-def _zero_padding(query, key, value, masks: Masks):
+def zero_padding(query, key, value, masks: Masks):
   """Zeroes rows past the sequence lengths: padding may hold anything (even NaN), and
   0 * NaN in P @ V would leak it into valid rows. One fused elementwise pass; the
   gradient of padded positions is zero, as it should be."""
@@ -555,7 +555,7 @@ def attention(
       implementation=implementation, config=config)
   impl = resolve_implementation(
       implementation, lambda impl: impl.supports(query, key, value, cfg, masks))
-  query, key, value = _zero_padding(query, key, value, masks)
+  query, key, value = zero_padding(query, key, value, masks)
   if impl.direct is not None:
     out, lse = impl.direct(query, key, value, cfg, masks)
   else:

@@ -135,7 +135,7 @@ class MosaicGPUConfig(BackendConfig):
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
       without a causal mask), above 128 from
       `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows, unless a causal dK/dV
-      grid stays small, and up to 64 for one key head per query head without a causal
+      grid stays small, and at 64 for one key head per query head without a causal
       mask from `jflash.mosaic_impl.D64_MIN_SEQ` rows, where it measured faster on the
       H200, else the Triton one (the rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
@@ -164,8 +164,8 @@ class MosaicGPUConfig(BackendConfig):
       CAUSAL_MIN_PROGRAMS, the fewest splits that reach it (or the most that fit
       shared memory).
     backward_dq_block_n: whenever the Mosaic GPU backward runs, key rows per tile of
-      its dQ kernel where they differ from backward_block_n; None: the same, or up to
-      head_dim 64, unless backward_block_n is set, 128
+      its dQ kernel where they differ from backward_block_n; None: the same, or at
+      head_dim 64, unless backward_block_n or backward_fused_dq is set, 128
       (`pallas_kernels.mosaic_gpu.backward.DQ_BLOCK_N_AT_64`).
     backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
       of its dQ kernel: 1 or 2; None: as backward_consumers, and above head_dim 128

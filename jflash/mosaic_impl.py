@@ -103,9 +103,8 @@ MHA_PERSISTENT_MIN_SEQ = 1024
 # (fwd+bwd 1.13x and 1.15x the Triton backward's, causal second;
 # mosaic_bwd_d256_cells_h200.json).
 BY_ROLE_MIN_SEQ = 1024
-# Query and key lengths from which "auto" takes the Mosaic GPU backward at the head dims
-# of d = 64's tiles, with one key head per query head and no causal mask: the length
-# timed, 4K (batch 4, 32 heads; its dQ key tiles of 128, DQ_BLOCK_N_AT_64): fwd+bwd
+# Query and key lengths from which "auto" takes the Mosaic GPU backward at head_dim 64,
+# with one key head per query head and no causal mask: the length timed, 4K (batch 4, 32 heads; its dQ key tiles of 128, DQ_BLOCK_N_AT_64): fwd+bwd
 # 381.8 / 381.3 TF/s against the Triton backward's 370.2 / 369.4 in alternating rounds
 # of two processes; causal 309.9 / 303.3 against 319.9 / 321.0, so the Triton one there
 # (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json).
@@ -153,7 +152,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   128) for one key head per query head without a causal mask from D64_MIN_SEQ rows,
   else the Triton backward (the numbers at D64_MIN_SEQ).
   Head dims off the table follow the one whose tiles they take
-  (`pallas_kernels.mosaic_gpu.forward.table_head_dim`): up to 64 the rule of 64;
+  (`pallas_kernels.mosaic_gpu.forward.table_head_dim`), but below 64 the Triton
+  backward (the Mosaic GPU one's dQ key tiles of 128 have not run there);
   80 and 96 the rule of 128 (timed with one key head per query head at 4K, batch 4,
   16 heads: d96 455.7 against 393.7, causal 379.1 against 344.2; d80 394.3 against
   357.7, causal 339.9 against 310.3; mosaic_off_table_bwd_time_h200.json; grouped,
@@ -182,9 +182,10 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   resolved = lambda c: c if c.fused_dq else dataclasses.replace(  # noqa: E731
       c, dq_consumers=_bwd.dq_consumers_of(H, c))
   default = backward_config(q, k, cfg, masks, own_fields=False)
-  if _fwd.table_head_dim(H) == 64:   # as timed: the default config, MHA, no causal mask
-    return ("mosaic_gpu" if not grouped and not masks.is_causal and min(T, S) >= D64_MIN_SEQ
-            and resolved(config) == resolved(default) else "pallas")
+  if _fwd.table_head_dim(H) == 64:   # as timed: d = 64, the default config, MHA, no mask
+    return ("mosaic_gpu" if H == 64 and not grouped and not masks.is_causal
+            and min(T, S) >= D64_MIN_SEQ and resolved(config) == resolved(default)
+            else "pallas")
   # one key head per query head: only the timed configs, the default and the default
   # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from
   # MHA_PERSISTENT_MIN_SEQ).

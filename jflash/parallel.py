@@ -164,6 +164,8 @@ def shard_lengths(lengths: Array, shard, local_len: int, num_shards: int,
   again a prefix of the shard.
   """
   _check_layout(layout)
+  if layout == "zigzag" and local_len % 2:
+    raise ValueError(f"the zigzag layout needs an even local length, got {local_len=}")
   lengths = jnp.asarray(lengths, jnp.int32)
   if layout == "contiguous":
     return jnp.clip(lengths - shard * local_len, 0, local_len)
@@ -283,7 +285,7 @@ def _tail(side: dict, c: int) -> dict:
   return {n: jnp.maximum(x - c, 0) if n == "len" else x[:, c:] for n, x in side.items()}
 
 
-def _block_call(ring: _Ring, case: int, qs: dict, kv: dict):
+def _block_call(case: int, qs: dict, kv: dict):
   """(query side, key side, causal) of the one implementation call of a case (not SKIP)."""
   c = qs["q"].shape[1] // 2
   if case in (FULL, DIAG):
@@ -307,7 +309,7 @@ def _block_forward(ring: _Ring, case: int, qs: dict, kv: dict):
   acc = stat_dtype(q.dtype)
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
-  qc, kc, causal = _block_call(ring, case, qs, kv)
+  qc, kc, causal = _block_call(case, qs, kv)
   out, lse = ring.impl.forward(qc["q"], kc["k"], kc["v"], ring.cfg,
                                _block_masks(ring, causal, qc, kc))
   if case == UPPER:
@@ -323,7 +325,7 @@ def _block_backward(ring: _Ring, case: int, qs: dict, kv: dict, out, lse, dout, 
   acc = stat_dtype(q.dtype)
   if case == SKIP:
     return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
-  qc, kc, causal = _block_call(ring, case, qs, kv)
+  qc, kc, causal = _block_call(case, qs, kv)
   c = q.shape[1] // 2
   if case == UPPER:  # the residuals of the queries it takes
     out, lse, dout, dlse = out[:, c:], lse[..., c:], dout[:, c:], dlse[..., c:]
@@ -482,8 +484,9 @@ def ring_attention(
       be a flash-type one (forward/backward with an lse), so not "xla".
     layout: how the global sequence was laid out before sharding. "zigzag": it was
       permuted with `zigzag_permute(x, P)` (device i holds chunks i and 2P-1-i), which
-      balances causal work; "contiguous": natural order. For non-causal attention the
-      two are the same computation.
+      balances causal work; "contiguous": natural order. For non-causal attention
+      without lengths the two are the same computation; lengths are read in the
+      layout's token order.
     segment_ids: local shards of packed-document ids, `[B, T/P]` int (T == S) or a
       pair (`[B, T/P]`, `[B, S/P]`), in the same token order as q/k/v (permute them
       with `zigzag_permute` too). The key ids travel round the ring with their block.
@@ -533,11 +536,14 @@ def ring_attention(
       continue
     if layout == "zigzag" and n % 2:
       raise ValueError(f"{name} with the zigzag layout need an even local length (two "
-                       f"chunks), got {n}")
+                       f"chunks), got {'T/P' if name.startswith('query') else 'S/P'}={n}")
     x = api.check_lengths(name, x, query.shape[0], size * n)
     local[name] = shard_lengths(x, i, n, size, layout)
   masks = dataclasses.replace(masks, q_lengths=local.get("query_seq_lengths"),
                               kv_lengths=local.get("key_value_seq_lengths"))
+  # As in jflash.attention: padding may hold anything (even NaN); a shard's padding is
+  # the rest of it after its count.
+  query, key, value = api.zero_padding(query, key, value, masks)
   impl = _resolve(implementation, query, key, value, cfg, masks)
   out, lse = _ring(query, key, value, masks.q_segment_ids, masks.kv_segment_ids,
                    masks.q_lengths, masks.kv_lengths,

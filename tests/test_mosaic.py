@@ -427,7 +427,7 @@ def test_interpreted_masks_through_the_adapter(overlap):
             key_value_seq_lengths=jnp.asarray([70, 120], jnp.int32))
   cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(overlap=overlap), **kw)
   assert mosaic_impl.kernel_config(q, cfg, masks).overlap == bool(overlap)
-  qz, kz, vz = api._zero_padding(q, k, v, masks)
+  qz, kz, vz = api.zero_padding(q, k, v, masks)
   out, lse = mosaic_impl.forward(qz, kz, vz, cfg, masks)
   empty = _check_against_reference(q, k, v, out, lse, **kw)
   assert empty >= 10 + T                # segment 7 rows of batch 0 and all of batch 1

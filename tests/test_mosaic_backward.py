@@ -113,11 +113,12 @@ def test_backward_choice_and_validation():
     assert mosaic_impl.backward_kind(q256, k256, *own) == chosen, (shape, causal)
   one = jflash.prepare(q128, q128, q128, config=jflash.MosaicGPUConfig(backward_consumers=1))
   assert mosaic_impl.backward_kind(q256, q256, *one) == "pallas"  # not runnable at 256
-  # Head dims off the table follow the rule of the one whose tiles they take: 64's up
-  # to 64, 128's up to 128 (MHA from MHA_PERSISTENT_MIN_SEQ, grouped heads), 256's above.
+  # Head dims off the table follow the rule of the one whose tiles they take: 128's up
+  # to 128 (MHA from MHA_PERSISTENT_MIN_SEQ, grouped heads), 256's above; below 64 the
+  # Triton backward (d = 64's rule has run at 64 only).
   plain = jflash.prepare(q128, q128, q128)
   for H, (B, T, N, K), chosen in ((48, (1, n_p, 1, 1), "pallas"),
-                                  (48, (1, mosaic_impl.D64_MIN_SEQ, 1, 1), "mosaic_gpu"),
+                                  (48, (1, mosaic_impl.D64_MIN_SEQ, 1, 1), "pallas"),
                                   (80, (1, n_p, 1, 1), "mosaic_gpu"),
                                   (96, (1, n_p - 128, 1, 1), "pallas"),
                                   (96, (1, 64, 2, 1), "mosaic_gpu"),
@@ -316,21 +317,6 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
     assert mb.dq_consumers_of(144, config) == 1, fields
   assert mb.dq_consumers_of(128, mb.BackwardConfig(consumers=2, dq_consumers=1)) == 1
 
-
-def test_dq_key_tiles_of_128_at_the_head_dims_of_64():
-  """The dQ kernel's key tiles at d <= 64 (d = 64's tiles): DQ_BLOCK_N_AT_64 (the
-  config timed on the H200) unless the caller set block_n or dq_block_n; elsewhere
-  block_n's."""
-  for H, want in ((16, 128), (48, 128), (64, 128), (80, None), (128, None), (192, None)):
-    shape = (1, 4096, 8, H)
-    for causal in (False, True):
-      config = mb.call_config(shape, shape, 2, causal=causal)
-      assert config.dq_block_n == want, (H, causal)
-      assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
-  shape = (1, 4096, 8, 64)
-  assert mb.call_config(shape, shape, 2, causal=False, block_n=128).dq_block_n is None
-  assert mb.call_config(shape, shape, 2, causal=False, dq_block_n=64).dq_block_n == 64
-  assert mb.call_config(shape, shape, 2, causal=False, fused_dq=True).dq_block_n is None
   # The dQ kernel's slots follow its own consumers: two for one warpgroup, else stages.
   tile = mb.ROWS * 128 * 2
   for consumers, dq, slots in ((2, 1, 2), (1, 2, 3)):
@@ -358,6 +344,22 @@ def test_dq_key_tiles_of_128_at_the_head_dims_of_64():
                       (dict(consumers=2, persistent=True, dq_consumers=1), "dq_consumers=1")):
     with pytest.raises(ValueError, match=why):
       mb.BackwardConfig(**fields)
+
+
+def test_dq_key_tiles_of_128_at_head_dim_64():
+  """The dQ kernel's key tiles at d = 64: DQ_BLOCK_N_AT_64 (the config timed on the
+  H200) unless the caller set block_n or dq_block_n; elsewhere block_n's (d 16-48 take
+  d = 64's tiles but have not run with these)."""
+  for H, want in ((16, None), (48, None), (64, 128), (80, None), (128, None), (192, None)):
+    shape = (1, 4096, 8, H)
+    for causal in (False, True):
+      config = mb.call_config(shape, shape, 2, causal=causal)
+      assert config.dq_block_n == want, (H, causal)
+      assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
+  shape = (1, 4096, 8, 64)
+  assert mb.call_config(shape, shape, 2, causal=False, block_n=128).dq_block_n is None
+  assert mb.call_config(shape, shape, 2, causal=False, dq_block_n=64).dq_block_n == 64
+  assert mb.call_config(shape, shape, 2, causal=False, fused_dq=True).dq_block_n is None
 
 
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------

@@ -49,12 +49,17 @@ CASES = [
     # Gemma 2's soft cap on every block's logits, with packed documents
     ("p4-causal-zigzag-gqa-softcap-segments", 4, True, "zigzag", 4, 2,
      {"logits_soft_cap": 2.0, "segments": True}),
-    # Padded batches: global query and key lengths that end inside zigzag chunks (of
-    # 12 tokens at P = 4), with packed documents; and a key length of 0 (empty rows).
+    # Padded batches (global lengths, NaN in the padding): lengths that end inside a
+    # shard's first zigzag chunk (17: device 1's) and second (61: device 2's; chunks
+    # of 12 tokens at P = 4), a query length of 0, with packed documents; every case
+    # of the zigzag ring (DIAG, LOWER, UPPER and, non-causal, FULL) and of the
+    # contiguous one (FULL, SKIP), with a key length of 0.
     ("p4-causal-zigzag-gqa-lengths-segments", 4, True, "zigzag", 4, 2,
-     {"lengths": ([96, 61], [70, 83]), "segments": True}),
-    ("p4-full-contiguous-gqa-lengths", 4, False, "contiguous", 4, 2,
+     {"lengths": ([61, 0], [17, 83]), "segments": True}),
+    ("p4-causal-contiguous-gqa-lengths", 4, True, "contiguous", 4, 2,
      {"lengths": ([40, 96], [0, 57])}),
+    ("p2-full-zigzag-mha-lengths", 2, False, "zigzag", 4, 4,
+     {"lengths": ([50, 96], [7, 33])}),
     # The GPU default: the Pallas kernels (interpreted here) under
     # sharded_ring_attention's default check_vma.
     ("p2-causal-zigzag-gqa-pallas", 2, True, "zigzag", 4, 2,
@@ -182,9 +187,15 @@ def _run_case(P, causal, layout, N, K, extra):
   scale = extra.get("scale", 1 / np.sqrt(H))
 
   len_kw = {}   # global [B] lengths: the same arguments for the ring and the reference
+  clean = (q, k, v)
   if lengths is not None:
     len_kw = dict(query_seq_lengths=np.asarray(lengths[0], np.int32),
                   key_value_seq_lengths=np.asarray(lengths[1], np.int32))
+    # NaN in the padding, which must reach nothing; the truth sees zeros there
+    past = lambda n: np.arange(T)[None, :, None, None] >= np.asarray(n)[:, None, None, None]
+    q, k, v = (np.where(past(n), np.nan, x).astype(np.float32)
+               for x, n in ((q, lengths[0]), (k, lengths[1]), (v, lengths[1])))
+    clean = tuple(np.nan_to_num(x, nan=0.0) for x in (q, k, v))
 
   mesh = parallel.make_mesh(P)
   if check_vma is not None:
@@ -223,7 +234,7 @@ def _run_case(P, causal, layout, N, K, extra):
     assert not residuals
     import jflash
     truth = dict(zip(("out", "lse", "dq", "dk", "dv"), jflash.attention_numpy(
-        q, k, v, scale=scale, is_causal=causal, logits_soft_cap=soft_cap, dout=do,
+        *clean, scale=scale, is_causal=causal, logits_soft_cap=soft_cap, dout=do,
         **{n: np.asarray(x) for n, x in {**seg_kw, **len_kw}.items()})))
   quantities = ("out", "lse", "dq", "dk", "dv") if residuals else ("out", "dq", "dk", "dv")
   err = lambda a, b: float(np.max(np.abs(a - b)))
@@ -361,10 +372,11 @@ def test_ring_matches_single_device(ring_results, case):
   for name, e in res["errors"].items():
     floor = 4 * eps * e["max_abs_truth"]
     allow = 2 * e["ref_vs_truth"] + floor
-    if e["ring_vs_truth"] > allow:
+    # (written as "not <=" so that a NaN error fails)
+    if not e["ring_vs_truth"] <= allow:
       failures.append(f"{name}: |ring - f64| = {e['ring_vs_truth']:.3g} > "
                       f"2 * |xla_chunked - f64| + floor = {allow:.3g}")
-    if e["ring_vs_ref"] > allow + e["ref_vs_truth"]:
+    if not e["ring_vs_ref"] <= allow + e["ref_vs_truth"]:
       failures.append(f"{name}: |ring - xla_chunked| = {e['ring_vs_ref']:.3g} > "
                       f"{allow + e['ref_vs_truth']:.3g}")
   assert not failures, f"{case}:\n" + "\n".join(failures)

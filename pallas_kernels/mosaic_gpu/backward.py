@@ -244,9 +244,9 @@ CAUSAL_MIN_PROGRAMS = 512
 # and V tiles between its own products; two consumers share a producer's stream.
 DQ_CONSUMERS_ABOVE_128 = 2
 
-# At the head dims that take d = 64's tiles (`forward.table_head_dim`), the dQ kernel's
-# key tiles of 128 (JAX's Mosaic GPU kernel's dQ tile), unless the caller set block_n
-# or dq_block_n: half the tiles per query row of 64-key tiles, so half the slot
+# At head_dim 64, the dQ kernel's key tiles of 128 (JAX's Mosaic GPU kernel's dQ tile),
+# unless the caller set block_n or dq_block_n (the head dims below, which take d = 64's
+# tiles, keep 64 until run on the H200 with them): half the tiles per query row of 64-key tiles, so half the slot
 # barriers and matrix-product waits per unit of work, with the dQ result (32
 # registers per thread), S and dP (64 each) within the consumers' 240. fwd+bwd TF/s on
 # the H200 at 4K d64 (batch 4, 32 heads), alternating rounds in two processes
@@ -298,8 +298,8 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
   leave the last round uneven) and with a causal mask even in the snake order
   (`item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
   launched grid the hardware schedules heaviest first as programs finish; level at 1K
-  causal, 277.8 / 279.9 against 275.0 / 274.4). At d = 64,
-  where "auto" runs the Triton backward, only across calls: 374.0 at 4K
+  causal, 277.8 / 279.9 against 275.0 / 274.4). At d = 64 with dQ key tiles of 64,
+  only across calls: 374.0 at 4K
   (mosaic_bwd_persistent_d64_h200.json) against the launched grids' 332.8-334.0
   (mosaic_bwd_d64_rows_in_registers_h200.json)."""
   return not causal and group == 1
@@ -307,9 +307,8 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
-  caller's BackwardConfig `fields` over two consumers; at the head dims of d = 64's
-  tiles, unless the caller set block_n or dq_block_n, dQ key tiles of
-  DQ_BLOCK_N_AT_64; unless the caller set dq_rows_in_registers, the dQ kernel's rows
+  caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
+  caller set block_n or dq_block_n, dQ key tiles of DQ_BLOCK_N_AT_64; unless the caller set dq_rows_in_registers, the dQ kernel's rows
   in registers where it runs with two (`dq_consumers_of`; not at the head dims split
   by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
   kernel runs); unless the caller set
@@ -324,7 +323,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
-  if (table_head_dim(H) == 64 and not config.fused_dq
+  if (H == 64 and not config.fused_dq
       and not {"block_n", "dq_block_n"} & set(fields)):
     config = dataclasses.replace(config, dq_block_n=DQ_BLOCK_N_AT_64)
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
