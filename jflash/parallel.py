@@ -103,6 +103,14 @@ def _zigzag_order(num_shards: int) -> np.ndarray:
                   axis=1).reshape(-1)
 
 
+def _check_two_chunks(local_len: int, what: str = "local_len", use: str = ""):
+  """The zigzag layout's rule: a shard is two chunks of equal length (so the global
+  length is a multiple of 2P)."""
+  if local_len % 2:
+    raise ValueError(f"the zigzag layout needs an even local length (two chunks)"
+                     f"{' for ' + use if use else ''}, got {what}={local_len}")
+
+
 def _check_zigzag(x, num_shards, axis):
   if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
     raise ValueError(f"num_shards={num_shards!r} must be a positive int")
@@ -144,8 +152,7 @@ def shard_positions(local_len: int, axis_name: str, layout: str = "zigzag") -> A
   i = lax.axis_index(axis_name)
   if layout == "contiguous":
     return (i * local_len + jnp.arange(local_len)).astype(jnp.int32)
-  if local_len % 2:
-    raise ValueError(f"the zigzag layout needs an even local length, got {local_len=}")
+  _check_two_chunks(local_len)
   c = local_len // 2
   size = lax.axis_size(axis_name)
   first, second = i * c, (2 * size - 1 - i) * c
@@ -164,8 +171,8 @@ def shard_lengths(lengths: Array, shard, local_len: int, num_shards: int,
   again a prefix of the shard.
   """
   _check_layout(layout)
-  if layout == "zigzag" and local_len % 2:
-    raise ValueError(f"the zigzag layout needs an even local length, got {local_len=}")
+  if layout == "zigzag":
+    _check_two_chunks(local_len)
   lengths = jnp.asarray(lengths, jnp.int32)
   if layout == "contiguous":
     return jnp.clip(lengths - shard * local_len, 0, local_len)
@@ -523,20 +530,17 @@ def ring_attention(
       raise ValueError(
           f"causal ring attention needs equal local query and key lengths, got "
           f"T/P={T} and S/P={S}")
-    if layout == "zigzag" and T % 2:
-      raise ValueError(
-          f"the zigzag layout needs an even local length (two chunks), got T/P={T}; "
-          f"the global length must be a multiple of 2P = {2 * size}")
+    if layout == "zigzag":
+      _check_two_chunks(T, "T/P", "a causal mask")
   # Lengths are global: each shard's count is its own lengths (`shard_lengths`).
   i = lax.axis_index(axis_name)
   local = {}
-  for name, x, n in (("query_seq_lengths", query_seq_lengths, T),
-                     ("key_value_seq_lengths", key_value_seq_lengths, S)):
+  for name, x, n, what in (("query_seq_lengths", query_seq_lengths, T, "T/P"),
+                           ("key_value_seq_lengths", key_value_seq_lengths, S, "S/P")):
     if x is None:
       continue
-    if layout == "zigzag" and n % 2:
-      raise ValueError(f"{name} with the zigzag layout need an even local length (two "
-                       f"chunks), got {'T/P' if name.startswith('query') else 'S/P'}={n}")
+    if layout == "zigzag":
+      _check_two_chunks(n, what, name)
     x = api.check_lengths(name, x, query.shape[0], size * n)
     local[name] = shard_lengths(x, i, n, size, layout)
   masks = dataclasses.replace(masks, q_lengths=local.get("query_seq_lengths"),
@@ -554,13 +558,15 @@ def ring_attention(
 
 def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
                            batch_axis: str | None = None, check_vma: bool = False,
-                           with_segment_ids: bool = False, **kwargs):
+                           with_segment_ids: bool = False, with_lengths: bool = False,
+                           **kwargs):
   """`ring_attention` wrapped in `shard_map` for global `[B, T, N, H]` arrays.
 
-  Returns `fn(q, k, v)`, or `fn(q, k, v, segment_ids)` with `with_segment_ids` (ids
-  `[B, T]`, self-attention). The sequence order of the arrays is the one
-  `ring_attention` expects for `layout` (apply `zigzag_permute` first for "zigzag").
-  `kwargs` go to `ring_attention`.
+  Returns `fn(q, k, v)`, with `with_segment_ids` one more argument, the ids `[B, T]`
+  (self-attention), and with `with_lengths` two more, `query_seq_lengths` and
+  `key_value_seq_lengths` `[B]` (sharded over `batch_axis` only). The sequence order
+  of the arrays is the one `ring_attention` expects for `layout` (apply
+  `zigzag_permute` first for "zigzag"). `kwargs` go to `ring_attention`.
 
   `check_vma` (shard_map's varying-manual-axes type check) is off by default: the
   outputs of a `pallas_call` (the "pallas" and "mosaic_gpu" kernels, the GPU defaults)
@@ -573,11 +579,15 @@ def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
   out_specs = (spec, lse_spec(axis_name, batch_axis)) if kwargs.get(
       "return_residuals") else spec
   in_specs = (spec, spec, spec)
+  names = []      # the extra arguments, in order
   if with_segment_ids:
     in_specs += (PartitionSpec(batch_axis, axis_name),)
-    fn = lambda q, k, v, ids: ring_attention(q, k, v, axis_name=axis_name,
-                                             segment_ids=ids, **kwargs)
-  else:
-    fn = functools.partial(ring_attention, axis_name=axis_name, **kwargs)
+    names.append("segment_ids")
+  if with_lengths:
+    in_specs += (PartitionSpec(batch_axis),) * 2
+    names += ["query_seq_lengths", "key_value_seq_lengths"]
+
+  def fn(q, k, v, *extra):
+    return ring_attention(q, k, v, axis_name=axis_name, **dict(zip(names, extra)), **kwargs)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=check_vma)

@@ -59,7 +59,7 @@ CASES = [
     ("p4-causal-contiguous-gqa-lengths", 4, True, "contiguous", 4, 2,
      {"lengths": ([40, 96], [0, 57])}),
     ("p2-full-zigzag-mha-lengths", 2, False, "zigzag", 4, 4,
-     {"lengths": ([50, 96], [7, 33])}),
+     {"lengths": ([50, 96], [7, 33]), "lengths_as_args": True}),
     # The GPU default: the Pallas kernels (interpreted here) under
     # sharded_ring_attention's default check_vma.
     ("p2-causal-zigzag-gqa-pallas", 2, True, "zigzag", 4, 2,
@@ -200,8 +200,13 @@ def _run_case(P, causal, layout, N, K, extra):
   mesh = parallel.make_mesh(P)
   if check_vma is not None:
     extra["check_vma"] = check_vma
+  # Lengths as closed-over keywords, or (`lengths_as_args`) as the wrapped function's
+  # arguments, sharded over the (absent) batch axis.
+  as_args = extra.pop("lengths_as_args", False)
   ring = parallel.sharded_ring_attention(mesh, "sp", is_causal=causal, layout=layout,
-                                         with_segment_ids=segments, **extra, **len_kw)
+                                         with_segment_ids=segments, with_lengths=as_args,
+                                         **extra, **({} if as_args else len_kw))
+  len_args = tuple(jnp.asarray(x) for x in len_kw.values()) if as_args else ()
   zz = layout == "zigzag"
   seg_args = () if ids is None else (jnp.asarray(ids),)
   seg_kw = {} if ids is None else {"segment_ids": jnp.asarray(ids)}
@@ -210,7 +215,7 @@ def _run_case(P, causal, layout, N, K, extra):
     args = (q, k, v, *seg_args)
     if zz:  # the user-facing flow: permute tokens (and ids), shard, un-permute
       args = tuple(parallel.zigzag_permute(x, P) for x in args)
-    res = ring(*args)
+    res = ring(*args, *len_args)
     out, lse = res if residuals else (res, jnp.zeros((B, N, T)))
     if zz:
       out, lse = parallel.zigzag_unpermute(out, P), parallel.zigzag_unpermute(lse, P, axis=2)
@@ -535,7 +540,7 @@ def test_errors():
     run(x, x, key_value_seq_lengths=jnp.asarray([3, 3], jnp.int32))
   with pytest.raises(ValueError, match="key_value_seq_lengths must be an integer array"):
     run(x, x, key_value_seq_lengths=jnp.asarray([3.0]))
-  with pytest.raises(ValueError, match="key_value_seq_lengths with the zigzag layout need an even"):
+  with pytest.raises(ValueError, match=r"\(two chunks\) for key_value_seq_lengths, got S/P=5"):
     run(x, x[:, :5], key_value_seq_lengths=jnp.asarray([3], jnp.int32))
   # The models' attention under context parallelism: the ring's options only.
   from jflash.nn import core_attention
