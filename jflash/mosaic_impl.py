@@ -104,9 +104,10 @@ MHA_PERSISTENT_MIN_SEQ = 1024
 # mosaic_bwd_d256_cells_h200.json).
 BY_ROLE_MIN_SEQ = 1024
 # Query and key lengths from which "auto" takes the Mosaic GPU backward at head_dim 64,
-# with one key head per query head and no causal mask: the length timed, 4K (batch 4, 32 heads; its dQ key tiles of 128, DQ_BLOCK_N_AT_64): fwd+bwd
-# 381.8 / 381.3 TF/s against the Triton backward's 370.2 / 369.4 in alternating rounds
-# of two processes; causal 309.9 / 303.3 against 319.9 / 321.0, so the Triton one there
+# with one key head per query head and no causal mask: the length timed, 4K (batch 4,
+# 32 heads; its dQ key tiles of 128, DQ_BLOCK_N_AT_64): fwd+bwd 381.8 / 381.3 TF/s
+# against the Triton backward's 370.2 / 369.4 in alternating rounds of two processes;
+# causal 309.9 / 303.3 against 319.9 / 321.0, so the Triton one there
 # (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json).
 D64_MIN_SEQ = 4096
 

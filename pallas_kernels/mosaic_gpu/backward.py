@@ -246,10 +246,11 @@ DQ_CONSUMERS_ABOVE_128 = 2
 
 # At head_dim 64, the dQ kernel's key tiles of 128 (JAX's Mosaic GPU kernel's dQ tile),
 # unless the caller set block_n or dq_block_n (the head dims below, which take d = 64's
-# tiles, keep 64 until run on the H200 with them): half the tiles per query row of 64-key tiles, so half the slot
-# barriers and matrix-product waits per unit of work, with the dQ result (32
-# registers per thread), S and dP (64 each) within the consumers' 240. fwd+bwd TF/s on
-# the H200 at 4K d64 (batch 4, 32 heads), alternating rounds in two processes
+# tiles, keep 64 until run on the H200 with them): half the tiles per query row of
+# 64-key tiles, so half the slot barriers and matrix-product waits per unit of work,
+# with the dQ result (32 registers per thread), S and dP (64 each) within the
+# consumers' 240. fwd+bwd TF/s on the H200 at 4K d64 (batch 4, 32 heads), alternating
+# rounds in two processes
 # (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json): 381.8 / 381.3
 # against 369.9 / 369.0 with 64, causal 309.9 / 303.3 against 295.4 / 299.3;
 # gradients within the rule at d64 (mosaic_bwd_d64_dq128_check_h200.json: 6/6).
@@ -308,11 +309,11 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
-  caller set block_n or dq_block_n, dQ key tiles of DQ_BLOCK_N_AT_64; unless the caller set dq_rows_in_registers, the dQ kernel's rows
-  in registers where it runs with two (`dq_consumers_of`; not at the head dims split
-  by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
-  kernel runs); unless the caller set
-  persistent, the persistent grids for a call with one key head per query head and no
+  caller set block_n or dq_block_n, dQ key tiles of DQ_BLOCK_N_AT_64; unless the
+  caller set dq_rows_in_registers, the dQ kernel's rows in registers where it runs
+  with two (`dq_consumers_of`; not at the head dims split by role, where dQ alone
+  takes d / 2 registers, nor with fused_dq, where no dQ kernel runs); unless the
+  caller set persistent, the persistent grids for a call with one key head per query head and no
   causal mask (`persistent_wins`) where both kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
   on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
