@@ -188,6 +188,10 @@ class MosaicGPUConfig(BackendConfig):
       backward_fused_dq, not above head_dim 128); None: the kernel's
       default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
       query head without a causal mask).
+    backward_stats_streamed, backward_dv_overlap: whenever the Mosaic GPU backward
+      runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
+      and read where used, and dV's product overlapped with dS^T's computation or not
+      (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: False and True.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -202,7 +206,8 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dq_block_n": "dq_block_n", "backward_dq_consumers": "dq_consumers",
       "backward_dq_rows_in_registers": "dq_rows_in_registers",
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
-      "backward_stages": "stages", "backward_persistent": "persistent"}
+      "backward_stages": "stages", "backward_persistent": "persistent",
+      "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -223,6 +228,8 @@ class MosaicGPUConfig(BackendConfig):
   backward_dkv_rows_in_registers: bool | None = None
   backward_stages: int | None = None
   backward_persistent: bool | None = None
+  backward_stats_streamed: bool | None = None
+  backward_dv_overlap: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -192,6 +192,10 @@ def test_backward_choice_and_validation():
       (jflash.MosaicGPUConfig, dict(backward_stages=1), "backward_stages=1"),
       (jflash.MosaicGPUConfig, dict(backward_dq_block_n=32), "backward_dq_block_n=32"),
       (mb.BackwardConfig, dict(persistent=True), "persistent=True runs programs of two"),
+      (mb.BackwardConfig, dict(stats_streamed=True), "stats_streamed=True streams"),
+      (mb.BackwardConfig, dict(consumers=2, dv_overlap=None), "dv_overlap=None"),
+      (jflash.MosaicGPUConfig, dict(backward_stats_streamed=True, backward_consumers=1),
+       "stats_streamed=True streams"),
       (jflash.MosaicGPUConfig, dict(backward_persistent=True, backward_fused_dq=True),
        "fused_dq=True")):
     with pytest.raises(ValueError, match=match):
@@ -466,6 +470,19 @@ def test_lowers_with_every_mask_path(H, dtype):
   assert "mosaic_gpu" in _lowered(H, opts, with_masks=True, dtype=dtype)
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_lowers_with_streamed_statistics_without_the_dv_overlap(H):
+  """JAX's Mosaic GPU form of the dK/dV tile (`stats_streamed`, `dv_overlap` False) on
+  128-row query tiles, through Mosaic GPU's checks of the 1-D copies and loads; the
+  dQ kernel is the default's."""
+  from tests.test_mosaic import _kernel_modules
+  fields = dict(block_n=128, stats_streamed=True, dv_overlap=False)
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=True, **fields)
+  modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=True), with_masks=True,
+                                     config=config))
+  assert len(modules) == 2 and all("wgmma" in m for m in modules)
+
+
 def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
   config = mb.BackwardConfig(block_n=128)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True), config=config)
@@ -649,6 +666,25 @@ def test_interpreted_kernel_options(consumers):
                              dkv_rows_in_registers=True, stages=1 + consumers)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True)
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
+@pytest.mark.parametrize("block_n,persistent", [(64, False), (128, True)])
+def test_interpreted_streamed_statistics_without_the_dv_overlap(block_n, persistent):
+  """`stats_streamed`: each query tile's lse and delta come through the producer's
+  slots (four copies per slot, each slot's four "loaded" barriers in phase through
+  three slots) and are read after the products that need them; `dv_overlap` False:
+  dP^T and the dV product waited for together. GQA causal with tails (T = 70, S =
+  150), on launched grids with 64-row query tiles and on the persistent grids with
+  128 (JAX's Mosaic GPU tiles)."""
+  q, k, v, do = random_qkv((1, 70, 150, 4, 2, 64), jnp.bfloat16, seed=8)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.BackwardConfig(consumers=2, block_n=block_n, stages=3, persistent=persistent,
+                             stats_streamed=True, dv_overlap=False,
+                             dq_rows_in_registers=persistent)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True, num_sms=3)
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 

@@ -156,6 +156,16 @@ class BackwardConfig:
     dq_block_n 64 and `stages` 2 up to d = 224 (three slots fit up to d = 176); the
     dQ kernel's slots are then `stages`, not the one warpgroup's two. `call_config`
     takes it there where it fits (DQ_CONSUMERS_ABOVE_128).
+  stats_streamed: the dK/dV kernel's producer also streams each query tile's lse and
+    delta ([block_n] float32 each) into shared-memory slots beside Q and dO, and the
+    consumers read lse after S^T's product and delta after dP^T's (JAX's Mosaic GPU
+    kernel), in place of loading both from global memory at the tile's start, where
+    they stay live in registers through the tile's products. Two consumers, not at
+    the head dims split by role, not with fused_dq. Untimed.
+  dv_overlap: the dK/dV kernel issues dV += P^T dO right behind dP^T = V dO^T and
+    waits for dP^T alone, so that dS^T is computed under the dV product (FlashAttention-3;
+    True, the default); False waits for both (JAX's Mosaic GPU kernel): P^T's
+    registers are then free before dS^T is computed. Untimed.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -176,6 +186,8 @@ class BackwardConfig:
   dq_rows_in_registers: bool = False
   dkv_rows_in_registers: bool = False
   persistent: bool = False
+  stats_streamed: bool = False
+  dv_overlap: bool = True
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -189,7 +201,8 @@ class BackwardConfig:
     if self.dq_block_n is not None and (not isinstance(self.dq_block_n, int)
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
-    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent"):
+    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent",
+                 "stats_streamed", "dv_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -209,6 +222,10 @@ class BackwardConfig:
     if self.persistent and (self.consumers != 2 or self.fused_dq):
       raise ValueError(f"persistent=True runs programs of two consumers and a producer "
                        f"with a dQ kernel: got consumers={self.consumers}, "
+                       f"fused_dq={self.fused_dq}")
+    if self.stats_streamed and (self.consumers != 2 or self.fused_dq):
+      raise ValueError(f"stats_streamed=True streams through the producer of two "
+                       f"consumers with a dQ kernel: got consumers={self.consumers}, "
                        f"fused_dq={self.fused_dq}")
     if self.fused_dq and self.block_n != ROWS:
       # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
@@ -378,6 +395,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
     dkv = 2 * tile + streamed(config.block_n) + passed + partial
     return max(dkv, dq) + SMEM_SLACK
   fixed = config.consumers * 2 * tile
+  if config.stats_streamed:    # lse and delta slots beside Q and dO
+    fixed += slots * 2 * config.block_n * 4
   fused = 0
   if config.fused_dq:
     fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
@@ -391,14 +410,17 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   (its float32 partial tiles of 64 x 256 would not fit shared memory either)."""
   if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
                             or config.group_splits != 1 or config.dq_rows_in_registers
-                            or config.dkv_rows_in_registers or config.persistent):
+                            or config.dkv_rows_in_registers or config.persistent
+                            or config.stats_streamed or not config.dv_overlap):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
             f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
-            f"registers and no persistent grid: got consumers={config.consumers}, "
-            f"fused_dq={config.fused_dq}, group_splits={config.group_splits}, "
+            f"registers, no persistent grid and its own tile loop: got "
+            f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
+            f"group_splits={config.group_splits}, "
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
             f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
-            f"persistent={config.persistent}")
+            f"persistent={config.persistent}, stats_streamed={config.stats_streamed}, "
+            f"dv_overlap={config.dv_overlap}")
   return None
 
 
@@ -462,12 +484,12 @@ class _Products:
       return acc1[...], (None if a2 is None else acc2[...])
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
-  def fresh_under(self, a, b, shape, *, b_t, then, a_t=False):
+  def fresh_under(self, a, b, shape, *, b_t, then, a_t=False, overlap=True):
     """a(^T) @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
     issued right after it and left in flight: only the first is waited for, so the
     caller's next instructions run under the second (FlashAttention-3's overlap of
-    dP^T with the dV product in the backward). `a_t`: `a` is a shared-memory ref read
-    transposed (a view, as `b_t`)."""
+    dP^T with the dV product in the backward); `overlap` False waits for both. `a_t`:
+    `a` is a shared-memory ref read transposed (a view, as `b_t`)."""
     acc, a2, b2 = then
     if self.interpret:
       acc[...] += self._dot(a2, b2, False)
@@ -477,7 +499,7 @@ class _Products:
     def run(fresh):
       plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
       plgpu.wgmma(acc, a2, b2)
-      return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
+      return plgpu.wgmma_accumulator_load(fresh, wait_n=1 if overlap else 0)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
   def issue(self, acc, a, b):
@@ -650,23 +672,35 @@ def _warp_specialised(wg, consumers, produce, consume):
     consume(wg)
 
 
+def _along_queries(ref, bq, interpret):
+  """A per-query vector [bq] (in global or shared memory) broadcast along the keys of
+  the dK/dV kernels' [keys, queries] tiles."""
+  _, _, query_layout = _layouts(interpret, (ROWS, bq))
+  return lax.broadcast_in_dim(_load_vector(ref, query_layout, interpret), (ROWS, bq), [1])
+
+
+def _dkv_keep(r, b, i, masked, kv_seg, *, bq, key0, opts, kv_len, interpret):
+  """The structured mask of query tile i in the dK/dV kernels' [keys, queries] tiles of
+  keys [key0, key0 + 64), or None on a FULL tile."""
+  if not masked:
+    return None
+  iota = _layouts(interpret, (ROWS, bq))[0]
+  q_seg = None
+  if kv_seg is not None:
+    q_seg = _along_queries(r["q_seg"].at[b, pl.ds(i * bq, bq)], bq, interpret)
+  return structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
+                         q_seg=q_seg, kv_seg=kv_seg)
+
+
 def _dkv_query_side(r, b, n, i, masked, kv_seg, *, bq, key0, opts, kv_len, interpret):
   """(lse2, delta, keep) of query tile i of query head n in the dK/dV kernels' [keys,
   queries] tiles of keys [key0, key0 + 64): the per-query statistics broadcast along
-  the keys, and the structured mask (None on a FULL tile)."""
-  iota, _, query_layout = _layouts(interpret, (ROWS, bq))
-  along_queries = lambda x: lax.broadcast_in_dim(x, (ROWS, bq), [1])
+  the keys, loaded from global memory, and the structured mask (`_dkv_keep`)."""
   rows = pl.ds(i * bq, bq)
-  lse2 = along_queries(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
-  delta = along_queries(_load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-  keep = None
-  if masked:
-    q_seg = None
-    if kv_seg is not None:
-      q_seg = along_queries(_load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
-    keep = structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
-                           q_seg=q_seg, kv_seg=kv_seg)
-  return lse2, delta, keep
+  lse2 = _along_queries(r["lse2"].at[b, n, rows], bq, interpret)
+  delta = _along_queries(r["delta"].at[b, n, rows], bq, interpret)
+  return lse2, delta, _dkv_keep(r, b, i, masked, kv_seg, bq=bq, key0=key0, opts=opts,
+                                kv_len=kv_len, interpret=interpret)
 
 
 def _producer_and_consumers(r, fixed, streamed, *, consumers, stages, rows):
@@ -747,7 +781,7 @@ def _run_persistent(persistent, pipe, item_of, produce, consume, snake):
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False, rows_in_registers=False,
-                persistent=None):
+                persistent=None, stats_streamed=False, dv_overlap=True):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
@@ -758,7 +792,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` = (work items,
   programs, the grid's sizes): each program of two consumers loops over work items
   (key tile, key head, split, batch) of the grid it stands for
-  (`BackwardConfig.persistent`)."""
+  (`BackwardConfig.persistent`); `stats_streamed`, `dv_overlap`: as
+  `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -773,7 +808,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     return _dkv_program(r, mm, j, kv_head, split, b, own=own, bk=bk, bq=bq, H=H,
                         key_layout=key_layout, group=group, group_splits=group_splits,
                         interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
-                        rows_in_registers=rows_in_registers)
+                        rows_in_registers=rows_in_registers, stats_streamed=stats_streamed,
+                        dv_overlap=dv_overlap)
 
   if persistent is None:
     j, kv_head, b, head, srcs, key_segments, consume = item_at(
@@ -796,9 +832,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
       consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
       return
 
+  streamed = ("q_smem", "do_smem") + (("lse_smem", "delta_smem") if stats_streamed else ())
   pipe, slots, consume_as = _producer_and_consumers(
-      r, ("k_smem", "v_smem"), ("q_smem", "do_smem"), consumers=consumers, stages=stages,
-      rows=bk)
+      r, ("k_smem", "v_smem"), streamed, consumers=consumers, stages=stages, rows=bk)
   if persistent is None:
     _warp_specialised(lax.axis_index("wg"), consumers,
                       lambda: _produce_query_tiles(pipe(srcs), ranges, b, j, own),
@@ -826,7 +862,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
-                 group_splits, interpret, opts, scale, fused_dq, rows_in_registers):
+                 group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
+                 stats_streamed=False, dv_overlap=True):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
@@ -843,6 +880,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
   # head, then of its second, ...
   srcs = [lambda i, g: r["q"].at[b, pl.ds(i * bq, bq), head(g)],
           lambda i, g: r["do"].at[b, pl.ds(i * bq, bq), head(g)]]
+  if stats_streamed:      # the tile's lse and delta beside them
+    srcs += [lambda i, g: r["lse2"].at[b, head(g), pl.ds(i * bq, bq)],
+             lambda i, g: r["delta"].at[b, head(g), pl.ds(i * bq, bq)]]
 
   def key_segments(keys):
     if "kv_seg" not in r:
@@ -896,14 +936,23 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       if before is not None:
         before(t, i, g, lo, hi)
       rows = pl.ds(i * bq, bq)
-      lse2, delta, keep = query_side(n, i, masked, kv_seg)
-      q_smem, do_smem = acquire(t)
+      if stats_streamed:     # lse and delta read from the slot where they are used
+        keep = _dkv_keep(r, b, i, masked, kv_seg, bq=bq, key0=key0, opts=opts,
+                         kv_len=ranges[b, j, 5], interpret=interpret)
+        q_smem, do_smem, lse_smem, delta_smem = acquire(t)
+      else:
+        lse2, delta, keep = query_side(n, i, masked, kv_seg)
+        q_smem, do_smem = acquire(t)
       s_t = mm.fresh(k_a, q_smem, (bk, bq), b_t=True)          # S^T = K Q^T
+      if stats_streamed:
+        lse2 = _along_queries(lse_smem, bq, interpret)
       p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
       # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
-      # dV product, and dK += dS'^T Q follows it on the tensor cores.
-      dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True,
+      # dV product (`dv_overlap`), and dK += dS'^T Q follows it on the tensor cores.
+      dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True, overlap=dv_overlap,
                             then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
+      if stats_streamed:
+        delta = _along_queries(delta_smem, bq, interpret)
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
       if fused_dq:
         add_dq(ds_t, rows, n, q_smem, dk_acc)
@@ -1226,7 +1275,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   stages, roles = config.stages, by_role(H)
 
   def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
-           partials=False, C=config.consumers, shared_fixed=False):
+           partials=False, C=config.consumers, shared_fixed=False, stats=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
     padded query length of the float32 dQ the kernel adds to; returns it after the
@@ -1234,7 +1283,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     from a float32 tile of each consumer's fixed rows. C: consumers; shared_fixed: the
     consumers split one program's fixed rows by role (`_dkv_by_role`): each holds one
     of the two fixed operands, and they pass each other P^T (two slots) and float32
-    dP^T (one), each slot with its "ready" and "free" barriers."""
+    dP^T (one), each slot with its "ready" and "free" barriers. stats: the lse and
+    delta of each streamed tile stream beside it (`stats_streamed`)."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
@@ -1243,7 +1293,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     scratch = {f1: smem(per_consumer), f2: smem(per_consumer),
                s1: smem((slots, stream_rows, H)), s2: smem((slots, stream_rows, H)),
                "fixed_loaded": plgpu.Barrier(num_barriers=2 if shared_fixed else 2 * C),
-               "loaded": plgpu.Barrier(num_barriers=2 * slots)}
+               "loaded": plgpu.Barrier(num_barriers=(4 if stats else 2) * slots)}
+    if stats:
+      scratch["lse_smem"] = plgpu.SMEM((slots, stream_rows), jnp.float32)
+      scratch["delta_smem"] = plgpu.SMEM((slots, stream_rows), jnp.float32)
     threads = {}
     if C > 1:      # consumers + the producer warpgroup
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
@@ -1367,11 +1420,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
   dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
                                rows_in_registers=config.dkv_rows_in_registers,
-                               persistent=persistent_grid(grid)),
+                               persistent=persistent_grid(grid),
+                               stats_streamed=config.stats_streamed,
+                               dv_overlap=config.dv_overlap),
              *grid_of(grid, grid_names),
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
-             partials=splits > 1, shared_fixed=roles)
+             partials=splits > 1, shared_fixed=roles, stats=config.stats_streamed)
   dk, dv = dkv[:2]
   if splits > 1:      # in a fixed order, rounded once
     dk, dv = (d.sum(1).astype(k.dtype) for d in (dk, dv))
