@@ -190,7 +190,8 @@ class MosaicGPUConfig(BackendConfig):
       query head without a causal mask).
     backward_stats_streamed, backward_dv_overlap: whenever the Mosaic GPU backward
       runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
-      and read where used, and dV's product overlapped with dS^T's computation or not
+      and read where used (two consumers, no fused dQ), and dV's product overlapped
+      with dS^T's computation or not; neither other than the default above head_dim 128
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: False and True.
   """
 

@@ -193,6 +193,9 @@ def test_backward_choice_and_validation():
       (jflash.MosaicGPUConfig, dict(backward_dq_block_n=32), "backward_dq_block_n=32"),
       (mb.BackwardConfig, dict(persistent=True), "persistent=True runs programs of two"),
       (mb.BackwardConfig, dict(stats_streamed=True), "stats_streamed=True streams"),
+      (mb.BackwardConfig, dict(stages=17), "34 \"loaded\" barriers"),
+      (mb.BackwardConfig, dict(consumers=2, stats_streamed=True, stages=9),
+       "36 \"loaded\" barriers \\(four per slot"),
       (mb.BackwardConfig, dict(consumers=2, dv_overlap=None), "dv_overlap=None"),
       (jflash.MosaicGPUConfig, dict(backward_stats_streamed=True, backward_consumers=1),
        "stats_streamed=True streams"),
@@ -268,7 +271,8 @@ def test_group_splits_validation_and_limits():
 def test_head_dim_256_runs_by_role_with_two_consumers_only():
   """At head_dim 256 dK and dV of a consumer's 64 keys would take 256 registers: the
   dK/dV kernel's two consumers hold one each (`by_role`), so one warpgroup, fused dQ,
-  and a group split (two float32 tiles of 64 x 256) are refused."""
+  a group split (two float32 tiles of 64 x 256) and the other options of the tile
+  loop are refused."""
   assert [mb.by_role(H) for H in (64, 96, 128, 160, 192, 256)] == [False] * 3 + [True] * 3
   q, k, v = random_qkv((1, 16, 16, 2, 1, 256), jnp.bfloat16)[:3]
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=MOSAIC_BWD), **HOPPER)
@@ -277,7 +281,10 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
                       (dict(backward_group_splits=2), "group_splits=2"),
                       (dict(backward_dq_rows_in_registers=True), "dq_rows_in_registers=True"),
                       (dict(backward_dkv_rows_in_registers=True), "dkv_rows_in_registers=True"),
-                      (dict(backward_persistent=True), "persistent=True")):
+                      (dict(backward_persistent=True), "persistent=True"),
+                      (dict(backward_consumers=2, backward_stats_streamed=True),
+                       "stats_streamed=True"),
+                      (dict(backward_dv_overlap=False), "dv_overlap=False")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
       mosaic_impl.check_call(q, k, v, *own, **HOPPER)
@@ -473,14 +480,17 @@ def test_lowers_with_every_mask_path(H, dtype):
 @pytest.mark.parametrize("H", [64, 128])
 def test_lowers_with_streamed_statistics_without_the_dv_overlap(H):
   """JAX's Mosaic GPU form of the dK/dV tile (`stats_streamed`, `dv_overlap` False) on
-  128-row query tiles, through Mosaic GPU's checks of the 1-D copies and loads; the
-  dQ kernel is the default's."""
+  128-row query tiles, through Mosaic GPU's checks of the 1-D copies and loads: its
+  dK/dV kernel differs from the same tiles' without it, its dQ kernel does not."""
   from tests.test_mosaic import _kernel_modules
-  fields = dict(block_n=128, stats_streamed=True, dv_overlap=False)
-  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=True, **fields)
-  modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=True), with_masks=True,
-                                     config=config))
-  assert len(modules) == 2 and all("wgmma" in m for m in modules)
+  plain = dict(block_n=128)
+  fields = dict(plain, stats_streamed=True, dv_overlap=False)
+  modules = [_kernel_modules(_lowered(H, MaskOptions(is_causal=True), with_masks=True,
+                                      config=mb.call_config((2, 200, 4, H), (2, 330, 2, H),
+                                                            2, causal=True, **f)))
+             for f in (fields, plain)]
+  assert len(modules[0]) == 2 and all("wgmma" in m for m in modules[0])
+  assert modules[0][0] != modules[1][0] and modules[0][1] == modules[1][1]
 
 
 def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
@@ -672,15 +682,18 @@ def test_interpreted_kernel_options(consumers):
 @pytest.mark.parametrize("block_n,persistent", [(64, False), (128, True)])
 def test_interpreted_streamed_statistics_without_the_dv_overlap(block_n, persistent):
   """`stats_streamed`: each query tile's lse and delta come through the producer's
-  slots (four copies per slot, each slot's four "loaded" barriers in phase through
-  three slots) and are read after the products that need them; `dv_overlap` False:
-  dP^T and the dV product waited for together. GQA causal with tails (T = 70, S =
-  150), on launched grids with 64-row query tiles and on the persistent grids with
-  128 (JAX's Mosaic GPU tiles)."""
-  q, k, v, do = random_qkv((1, 70, 150, 4, 2, 64), jnp.bfloat16, seed=8)
+  slots (four copies per slot, each slot's four "loaded" barriers in phase as the
+  slots are refilled) and are read after the products that need them; `dv_overlap`
+  False: dP^T and the dV product waited for together. GQA causal with tails (S =
+  150), on launched grids with 64-row query tiles through three slots (T = 70), and on
+  the persistent grids with 128 through two (T = 300: items of up to three tiles per
+  head, two heads, so a program refills its slots within and across items)."""
+  T = 300 if persistent else 70
+  q, k, v, do = random_qkv((1, T, 150, 4, 2, 64), jnp.bfloat16, seed=8)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
-  config = mb.BackwardConfig(consumers=2, block_n=block_n, stages=3, persistent=persistent,
+  config = mb.BackwardConfig(consumers=2, block_n=block_n, stages=2 if persistent else 3,
+                             persistent=persistent,
                              stats_streamed=True, dv_overlap=False,
                              dq_rows_in_registers=persistent)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,

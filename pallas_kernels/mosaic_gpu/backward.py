@@ -71,6 +71,11 @@ from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SME
                                                table_head_dim)
 
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
+# Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef), and
+# the pipeline's "loaded" barriers are one group (two per slot, four with
+# `stats_streamed`); Pallas places each shared-memory buffer at a 1024-byte boundary.
+MAX_BARRIERS = 32
+SMEM_ALIGN = 1024
 
 
 def by_role(head_dim: int) -> bool:
@@ -163,9 +168,10 @@ class BackwardConfig:
     they stay live in registers through the tile's products. Two consumers, not at
     the head dims split by role, not with fused_dq. Untimed.
   dv_overlap: the dK/dV kernel issues dV += P^T dO right behind dP^T = V dO^T and
-    waits for dP^T alone, so that dS^T is computed under the dV product (FlashAttention-3;
-    True, the default); False waits for both (JAX's Mosaic GPU kernel): P^T's
-    registers are then free before dS^T is computed. Untimed.
+    waits for dP^T alone, so that dS^T is computed under the dV product
+    (FlashAttention-3; True, the default); False waits for both (JAX's Mosaic GPU
+    kernel): the input-dtype copy of P^T, the dV product's operand, is then free
+    before dS^T is computed. Not at the head dims split by role. Untimed.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -223,6 +229,12 @@ class BackwardConfig:
       raise ValueError(f"persistent=True runs programs of two consumers and a producer "
                        f"with a dQ kernel: got consumers={self.consumers}, "
                        f"fused_dq={self.fused_dq}")
+    per_slot, why = (4, "four per slot with stats_streamed") if self.stats_streamed else (
+        2, "two per slot")
+    if per_slot * self.stages > MAX_BARRIERS:
+      raise ValueError(f"stages={self.stages} needs {per_slot * self.stages} \"loaded\" "
+                       f"barriers ({why}); Mosaic GPU allocates at most {MAX_BARRIERS} "
+                       f"in a group")
     if self.stats_streamed and (self.consumers != 2 or self.fused_dq):
       raise ValueError(f"stats_streamed=True streams through the producer of two "
                        f"consumers with a dQ kernel: got consumers={self.consumers}, "
@@ -378,7 +390,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   plus the forward's slack for barriers and
   alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
   way to global memory; with `group_splits` > 1, each consumer's float32 tile of
-  partial dK, then dV, on the way to global memory."""
+  partial dK, then dV, on the way to global memory; with `stats_streamed`, the lse
+  and delta slots."""
   slots = stream_slots(config.consumers, config.stages)
   tile = ROWS * head_dim * itemsize
   streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
@@ -395,8 +408,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
     dkv = 2 * tile + streamed(config.block_n) + passed + partial
     return max(dkv, dq) + SMEM_SLACK
   fixed = config.consumers * 2 * tile
-  if config.stats_streamed:    # lse and delta slots beside Q and dO
-    fixed += slots * 2 * config.block_n * 4
+  if config.stats_streamed:    # lse and delta slots beside Q and dO, each buffer aligned
+    fixed += 2 * round_up(slots * config.block_n * 4, SMEM_ALIGN)
   fused = 0
   if config.fused_dq:
     fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
@@ -679,15 +692,15 @@ def _along_queries(ref, bq, interpret):
   return lax.broadcast_in_dim(_load_vector(ref, query_layout, interpret), (ROWS, bq), [1])
 
 
-def _dkv_keep(r, b, i, masked, kv_seg, *, bq, key0, opts, kv_len, interpret):
-  """The structured mask of query tile i in the dK/dV kernels' [keys, queries] tiles of
-  keys [key0, key0 + 64), or None on a FULL tile."""
+def _dkv_keep(r, b, i, rows, masked, kv_seg, *, bq, key0, opts, kv_len, interpret):
+  """The structured mask of query tile i (its `rows`) in the dK/dV kernels' [keys,
+  queries] tiles of keys [key0, key0 + 64), or None on a FULL tile."""
   if not masked:
     return None
   iota = _layouts(interpret, (ROWS, bq))[0]
   q_seg = None
   if kv_seg is not None:
-    q_seg = _along_queries(r["q_seg"].at[b, pl.ds(i * bq, bq)], bq, interpret)
+    q_seg = _along_queries(r["q_seg"].at[b, rows], bq, interpret)
   return structured_keep(i * bq + iota(1), key0 + iota(0), opts, kv_len=kv_len,
                          q_seg=q_seg, kv_seg=kv_seg)
 
@@ -699,13 +712,14 @@ def _dkv_query_side(r, b, n, i, masked, kv_seg, *, bq, key0, opts, kv_len, inter
   rows = pl.ds(i * bq, bq)
   lse2 = _along_queries(r["lse2"].at[b, n, rows], bq, interpret)
   delta = _along_queries(r["delta"].at[b, n, rows], bq, interpret)
-  return lse2, delta, _dkv_keep(r, b, i, masked, kv_seg, bq=bq, key0=key0, opts=opts,
-                                kv_len=kv_len, interpret=interpret)
+  return lse2, delta, _dkv_keep(r, b, i, rows, masked, kv_seg, bq=bq, key0=key0,
+                                opts=opts, kv_len=kv_len, interpret=interpret)
 
 
 def _producer_and_consumers(r, fixed, streamed, *, consumers, stages, rows):
-  """The plumbing of a kernel whose producer warpgroup streams `streamed` (two refs'
-  names) to consumers that each own 64 rows of `fixed` (two more): (pipe(srcs), the
+  """The plumbing of a kernel whose producer warpgroup streams `streamed` (the names of
+  two refs, or four with `stats_streamed`) to consumers that each own 64 rows of
+  `fixed` (two more): (pipe(srcs), the
   producer's side of the slots for sources `srcs`; slots, the consumers' side and the
   final drain; consume_as(wg, block, consume, count=None) -> count, which runs
   consume(wg, fixed tiles, their barriers, first row, tiles, count) for consumer wg of
@@ -905,6 +919,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     kv_seg = key_segments(keys)
     query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=key0, opts=opts,
                                    kv_len=ranges[b, j, 5], interpret=interpret)
+    if stats_streamed:    # the mask alone: lse and delta come through the slots
+      keep_of = functools.partial(_dkv_keep, r, b, bq=bq, key0=key0, opts=opts,
+                                  kv_len=ranges[b, j, 5], interpret=interpret)
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
 
@@ -937,8 +954,7 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
         before(t, i, g, lo, hi)
       rows = pl.ds(i * bq, bq)
       if stats_streamed:     # lse and delta read from the slot where they are used
-        keep = _dkv_keep(r, b, i, masked, kv_seg, bq=bq, key0=key0, opts=opts,
-                         kv_len=ranges[b, j, 5], interpret=interpret)
+        keep = keep_of(i, rows, masked, kv_seg)
         q_smem, do_smem, lse_smem, delta_smem = acquire(t)
       else:
         lse2, delta, keep = query_side(n, i, masked, kv_seg)

@@ -324,7 +324,7 @@ def _plgpu():
 
 
 def _load_vector(ref, layout, interpret):
-  """A 1-D slice of a GMEM ref in a register layout. The interpreter has no
+  """A 1-D slice of a GMEM (or SMEM) ref in a register layout. The interpreter has no
   `plgpu.load`; the plain read gives the same values there."""
   if interpret:
     return ref[...]
@@ -332,7 +332,7 @@ def _load_vector(ref, layout, interpret):
   if "idx" in inspect.signature(plgpu.load).parameters and \
       inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
     return plgpu.load(ref, (), layout=layout, optimized=False)   # jax 0.10: idx positional
-  # optimized=False: plain loads from global memory (the optimized path reads SMEM only).
+  # optimized=False: plain loads (the optimized path reads SMEM only, in its own layouts).
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
