@@ -172,6 +172,7 @@ def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, orde
 @pytest.mark.parametrize("kw, bad", [
     (dict(block_q=32), "block_q=32"), (dict(block_k=320), "block_k=320"),
     (dict(block_k=96), "block_k=96"), (dict(stages=1), "stages=1"),
+    (dict(stages=33), r"stages=33 must be an int in \[2, 32\]"),
     (dict(consumer_registers=248), "consumer_registers=248"),
     (dict(consumer_registers=236), "consumer_registers=236"),
     (dict(consumers=4), "consumers=4"), (dict(consumers=2.0), "consumers=2.0"),

@@ -63,18 +63,17 @@ from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, SEMANTICS, SMEM_BYTES, SMEM_SLACK,
-                                               MosaicConfig, _load_vector, _plgpu,
+from pallas_kernels.mosaic_gpu.forward import (LOG2E, MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
+                                               SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_shared_memory,
                                                compiler_params, item_coords, item_schedule,
                                                map_rows, pad_axis, smem_layout,
                                                table_head_dim)
 
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
-# Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef), and
-# the pipeline's "loaded" barriers are one group (two per slot, four with
-# `stats_streamed`); Pallas places each shared-memory buffer at a 1024-byte boundary.
-MAX_BARRIERS = 32
+# Pallas places each shared-memory buffer at a 1024-byte boundary. (The pipeline's
+# "loaded" barriers, two per slot or four with `stats_streamed`, are one group of
+# at most MAX_BARRIERS.)
 SMEM_ALIGN = 1024
 
 

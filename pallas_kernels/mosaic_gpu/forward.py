@@ -58,6 +58,9 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
 SEMANTICS = ("lane", "warpgroup")
+# Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef): a
+# pipeline's per-slot barriers of one kind are one group.
+MAX_BARRIERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +112,9 @@ class MosaicConfig:
       raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
     if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
       raise ValueError(f"block_k={self.block_k!r} must be 64, 128, 192 or 256")
-    if not isinstance(self.stages, int) or self.stages < 2:
-      raise ValueError(f"stages={self.stages!r} must be an int >= 2")
+    if not isinstance(self.stages, int) or not 2 <= self.stages <= MAX_BARRIERS:
+      raise ValueError(f"stages={self.stages!r} must be an int in [2, {MAX_BARRIERS}] "
+                       "(one barrier of each kind per slot)")
     if type(self.consumers) is not int or self.consumers not in CONSUMER_COUNTS:
       raise ValueError(f"consumers={self.consumers!r} must be one of {CONSUMER_COUNTS}")
     if self.ping_pong is None:     # resolved here, so the kernel reads a bool
