@@ -533,7 +533,6 @@ def ring_attention(
     if layout == "zigzag":
       _check_two_chunks(T, "T/P", "a causal mask")
   # Lengths are global: each shard's count is its own lengths (`shard_lengths`).
-  i = lax.axis_index(axis_name)
   local = {}
   for name, x, n, what in (("query_seq_lengths", query_seq_lengths, T, "T/P"),
                            ("key_value_seq_lengths", key_value_seq_lengths, S, "S/P")):
@@ -542,7 +541,7 @@ def ring_attention(
     if layout == "zigzag":
       _check_two_chunks(n, what, name)
     x = api.check_lengths(name, x, query.shape[0], size * n)
-    local[name] = shard_lengths(x, i, n, size, layout)
+    local[name] = shard_lengths(x, lax.axis_index(axis_name), n, size, layout)
   masks = dataclasses.replace(masks, q_lengths=local.get("query_seq_lengths"),
                               kv_lengths=local.get("key_value_seq_lengths"))
   # As in jflash.attention: padding may hold anything (even NaN); a shard's padding is

@@ -278,9 +278,9 @@ DQ_CONSUMERS_ABOVE_128 = 2
 # 64-key tiles, so half the slot barriers and matrix-product waits per unit of work,
 # with the dQ result (32 registers per thread), S and dP (64 each) within the
 # consumers' 240. fwd+bwd TF/s on the H200 at 4K d64 (batch 4, 32 heads), alternating
-# rounds in two processes
-# (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json): 381.8 / 381.3
-# against 369.9 / 369.0 with 64, causal 309.9 / 303.3 against 295.4 / 299.3;
+# rounds in two processes (mosaic_bwd_d64_sustained_h200.json,
+# ..._sustained2_h200.json): 381.8 / 381.3 against 369.9 / 369.0 with 64, causal
+# 309.9 / 303.3 against 295.4 / 299.3;
 # gradients within the rule at d64 (mosaic_bwd_d64_dq128_check_h200.json: 6/6).
 DQ_BLOCK_N_AT_64 = 128
 
@@ -916,11 +916,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     k_a, v_a = (k_smem[...], v_smem[...]) if rows_in_registers else (k_smem, v_smem)
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
     kv_seg = key_segments(keys)
-    query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=key0, opts=opts,
-                                   kv_len=ranges[b, j, 5], interpret=interpret)
-    if stats_streamed:    # the mask alone: lse and delta come through the slots
-      keep_of = functools.partial(_dkv_keep, r, b, bq=bq, key0=key0, opts=opts,
-                                  kv_len=ranges[b, j, 5], interpret=interpret)
+    tile = dict(bq=bq, key0=key0, opts=opts, kv_len=ranges[b, j, 5], interpret=interpret)
+    query_side = functools.partial(_dkv_query_side, r, b, **tile)
+    keep_of = functools.partial(_dkv_keep, r, b, **tile)   # stats_streamed: the mask alone
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
 
