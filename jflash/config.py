@@ -136,8 +136,9 @@ class MosaicGPUConfig(BackendConfig):
       without a causal mask), above 128 from
       `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows, unless a causal dK/dV
       grid stays small, and at 64 for one key head per query head without a causal
-      mask from `jflash.mosaic_impl.D64_MIN_SEQ` rows, where it measured faster on the
-      H200, else the Triton one (the rule: `jflash.mosaic_impl.backward_kind`);
+      mask from `jflash.mosaic_impl.D64_MIN_SEQ` rows and for grouped heads from
+      `D64_GROUPED_MIN_SEQ`, where it measured faster on the H200, else the Triton
+      one (the rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
       (pallas_kernels/mosaic_gpu/backward.py), head_dim a multiple of 16 up to 256.
@@ -164,9 +165,11 @@ class MosaicGPUConfig(BackendConfig):
       CAUSAL_MIN_PROGRAMS, the fewest splits that reach it (or the most that fit
       shared memory).
     backward_dq_block_n: whenever the Mosaic GPU backward runs, key rows per tile of
-      its dQ kernel where they differ from backward_block_n; None: the same, or at
-      head_dim 64, unless backward_block_n or backward_fused_dq is set, 128
-      (`pallas_kernels.mosaic_gpu.backward.DQ_BLOCK_N_AT_64`).
+      its dQ kernel where they differ from backward_block_n; None: the same. At
+      head_dim 64, unless backward_block_n, backward_dq_block_n,
+      backward_stats_streamed or backward_fused_dq is set, both kernels' tiles are
+      128 rows with lse and delta streamed (the dQ kernel's alone with one consumer;
+      `pallas_kernels.mosaic_gpu.backward.BLOCK_N_AT_64`).
     backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
       of its dQ kernel: 1 or 2; None: as backward_consumers, and above head_dim 128
       two on dQ key tiles of 64 where they fit shared memory (up to head_dim 224 at
@@ -192,7 +195,9 @@ class MosaicGPUConfig(BackendConfig):
       runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
       and read where used (two consumers, no fused dQ), and dV's product overlapped
       with dS^T's computation or not; neither other than the default above head_dim 128
-      (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: False and True.
+      (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
+      head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else
+      False; and True.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"

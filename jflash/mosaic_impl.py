@@ -103,13 +103,19 @@ MHA_PERSISTENT_MIN_SEQ = 1024
 # (fwd+bwd 1.13x and 1.15x the Triton backward's, causal second;
 # mosaic_bwd_d256_cells_h200.json).
 BY_ROLE_MIN_SEQ = 1024
-# Query and key lengths from which "auto" takes the Mosaic GPU backward at head_dim 64,
-# with one key head per query head and no causal mask: the length timed, 4K (batch 4,
-# 32 heads; its dQ key tiles of 128, DQ_BLOCK_N_AT_64): fwd+bwd 381.8 / 381.3 TF/s
-# against the Triton backward's 370.2 / 369.4 in alternating rounds of two processes;
-# causal 309.9 / 303.3 against 319.9 / 321.0, so the Triton one there
-# (mosaic_bwd_d64_sustained_h200.json, ..._sustained2_h200.json).
-D64_MIN_SEQ = 4096
+# Query and key lengths from which "auto" takes the Mosaic GPU backward at head_dim 64
+# (its default tiles, `pallas_kernels.mosaic_gpu.backward.BLOCK_N_AT_64`), fwd+bwd TF/s
+# against the Triton backward's in alternating rounds of one process (32 query heads):
+# for one key head per query head without a causal mask the shortest timed, 1K (batch
+# 16): 355.5 against 329.3; 2K (batch 8) 395.7 against 355.8
+# (mosaic_bwd_d64_short_time_h200.json); 4K (batch 4) 409.8 against 364.0
+# (mosaic_bwd_d64_tiles128_variants_h200.json; 419.1 against 376.8 in another call,
+# mosaic_bwd_stats_streamed_time_h200.json). With a causal mask the Triton one leads
+# (1K 244.6 against 218.8, 2K 294.6 against 282.5, 4K 325.5 against 317.4).
+D64_MIN_SEQ = 1024
+# ... and for grouped heads, the length timed, 4K: GQA 32/8 396.2 against 365.8, causal
+# 343.6 against 327.2 (mosaic_bwd_d64_tiles128_variants_h200.json).
+D64_GROUPED_MIN_SEQ = 4096
 
 
 def backward_kind(q, k, cfg, masks: Masks) -> str:
@@ -149,12 +155,13 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
-  head_dim 64: the Mosaic GPU backward with the default config (its dQ key tiles of
-  128) for one key head per query head without a causal mask from D64_MIN_SEQ rows,
-  else the Triton backward (the numbers at D64_MIN_SEQ).
+  head_dim 64: the Mosaic GPU backward with the default config (its tiles of 128)
+  for one key head per query head without a causal mask from D64_MIN_SEQ rows and
+  for grouped heads from D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as
+  above), else the Triton backward (the numbers at those constants).
   Head dims off the table follow the one whose tiles they take
   (`pallas_kernels.mosaic_gpu.forward.table_head_dim`), but below 64 the Triton
-  backward (the Mosaic GPU one's dQ key tiles of 128 have not run there);
+  backward (the Mosaic GPU one's tiles of 128 have not run there);
   80 and 96 the rule of 128 (timed with one key head per query head at 4K, batch 4,
   16 heads: d96 455.7 against 393.7, causal 379.1 against 344.2; d80 394.3 against
   357.7, causal 339.9 against 310.3; mosaic_off_table_bwd_time_h200.json; grouped,
@@ -183,9 +190,10 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   resolved = lambda c: c if c.fused_dq else dataclasses.replace(  # noqa: E731
       c, dq_consumers=_bwd.dq_consumers_of(H, c))
   default = backward_config(q, k, cfg, masks, own_fields=False)
-  if _fwd.table_head_dim(H) == 64:   # as timed: d = 64, the default config, MHA, no mask
-    return ("mosaic_gpu" if H == 64 and not grouped and not masks.is_causal
-            and min(T, S) >= D64_MIN_SEQ and resolved(config) == resolved(default)
+  if _fwd.table_head_dim(H) == 64:   # as timed: d = 64, the default config
+    timed = (min(T, S) >= D64_GROUPED_MIN_SEQ and filled if grouped
+             else min(T, S) >= D64_MIN_SEQ and not masks.is_causal)
+    return ("mosaic_gpu" if H == 64 and timed and resolved(config) == resolved(default)
             else "pallas")
   # one key head per query head: only the timed configs, the default and the default
   # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from

@@ -127,15 +127,20 @@ def test_backward_choice_and_validation():
     q_off = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k_off = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
     assert mosaic_impl.backward_kind(q_off, k_off, *plain) == chosen, (H, B, T, N, K)
-  # head_dim 64: one key head per query head, no causal mask, from D64_MIN_SEQ rows,
-  # with the default config (dQ key tiles of 128)
-  n64 = mosaic_impl.D64_MIN_SEQ
+  # head_dim 64, with the default config (tiles of 128): one key head per query head
+  # without a causal mask from D64_MIN_SEQ rows, grouped heads from D64_GROUPED_MIN_SEQ
+  # unless a causal grid stays small
+  n64, g64 = mosaic_impl.D64_MIN_SEQ, mosaic_impl.D64_GROUPED_MIN_SEQ
   for (B, T, N, K), causal, fields, chosen in (
-      ((4, n64, 32, 32), False, {}, "mosaic_gpu"),
-      ((4, n64, 32, 32), True, {}, "pallas"),                     # causal: Triton's
-      ((4, n64 // 2, 32, 32), False, {}, "pallas"),               # shorter
-      ((4, n64, 32, 8), False, {}, "pallas"),                     # grouped: untimed
-      ((4, n64, 32, 32), False, dict(backward_dq_block_n=64), "pallas")):  # untimed
+      ((16, n64, 32, 32), False, {}, "mosaic_gpu"),
+      ((4, g64, 32, 32), True, {}, "pallas"),                     # causal: Triton's
+      ((16, n64 // 2, 32, 32), False, {}, "pallas"),              # shorter
+      ((4, g64, 32, 8), False, {}, "mosaic_gpu"),                 # grouped
+      ((4, g64, 32, 8), True, {}, "mosaic_gpu"),                  # 1024 programs
+      ((1, g64, 32, 8), True, {}, "mosaic_gpu"),                  # 256 x 2 splits
+      ((1, g64, 8, 2), True, {}, "pallas"),                       # 64 x 4 splits
+      ((16, g64 // 2, 32, 8), False, {}, "pallas"),               # shorter, grouped
+      ((4, g64, 32, 32), False, dict(backward_dq_block_n=64), "pallas")):  # untimed
     q64 = jax.ShapeDtypeStruct((B, T, N, 64), jnp.bfloat16)
     k64 = jax.ShapeDtypeStruct((B, T, K, 64), jnp.bfloat16)
     own = jflash.prepare(q128, q128, q128, is_causal=causal,
@@ -204,13 +209,14 @@ def test_backward_choice_and_validation():
     with pytest.raises(ValueError, match=match):
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
-  # caller's choice kept (at this head_dim, 64, dQ key tiles of 128 by default)
+  # caller's choice kept (at this head_dim, 64, tiles of 128 with lse and delta
+  # streamed by default, the dQ kernel's alone with one consumer)
   own = lambda **fields: mosaic_impl.backward_config(q, k, jflash.prepare(
       q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))[0], masks)
   assert own(backward_dq_block_n=64) == mb.BackwardConfig(
       consumers=2, dq_block_n=64, dq_rows_in_registers=True)
   assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(
-      consumers=2, dq_block_n=128)
+      consumers=2, block_n=128, stats_streamed=True)
   assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1, dq_block_n=128)
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
   with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
@@ -357,20 +363,42 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
       mb.BackwardConfig(**fields)
 
 
-def test_dq_key_tiles_of_128_at_head_dim_64():
-  """The dQ kernel's key tiles at d = 64: DQ_BLOCK_N_AT_64 (the config timed on the
-  H200) unless the caller set block_n or dq_block_n; elsewhere block_n's (d 16-48 take
-  d = 64's tiles but have not run with these)."""
-  for H, want in ((16, None), (48, None), (64, 128), (80, None), (128, None), (192, None)):
+def test_tiles_of_128_at_head_dim_64():
+  """At d = 64, unless the caller set block_n, dq_block_n or stats_streamed, both
+  kernels' tiles are BLOCK_N_AT_64 with lse and delta streamed (the config timed on
+  the H200), the dQ kernel's alone with one consumer (which cannot stream them);
+  elsewhere block_n's (d 16-48 take d = 64's tiles but have not run with these)."""
+  for H, want in ((16, False), (48, False), (64, True), (80, False), (128, False),
+                  (192, False)):
     shape = (1, 4096, 8, H)
     for causal in (False, True):
       config = mb.call_config(shape, shape, 2, causal=causal)
-      assert config.dq_block_n == want, (H, causal)
+      assert (config.block_n, config.dq_block_n, config.stats_streamed) == (
+          (mb.BLOCK_N_AT_64, None, True) if want else (64, None, False)), (H, causal)
+      assert config.dv_overlap
       assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
   shape = (1, 4096, 8, 64)
-  assert mb.call_config(shape, shape, 2, causal=False, block_n=128).dq_block_n is None
-  assert mb.call_config(shape, shape, 2, causal=False, dq_block_n=64).dq_block_n == 64
-  assert mb.call_config(shape, shape, 2, causal=False, fused_dq=True).dq_block_n is None
+  tiles = lambda **f: (lambda c: (c.block_n, c.dq_block_n, c.stats_streamed))(  # noqa: E731
+      mb.call_config(shape, shape, 2, causal=False, **f))
+  assert tiles(block_n=128) == (128, None, False)
+  assert tiles(dq_block_n=64) == (64, 64, False)
+  assert tiles(stats_streamed=False) == (64, None, False)
+  assert tiles(stats_streamed=True) == (64, None, True)
+  assert tiles(fused_dq=True) == (64, None, False)
+  assert tiles(consumers=1) == (64, mb.BLOCK_N_AT_64, False)
+  # a caller's stages beyond the streamed form's barriers (4 per slot, MAX_BARRIERS) or
+  # shared memory keep it off, as a config the kernels run (and "auto" can judge)
+  assert tiles(stages=3) == (mb.BLOCK_N_AT_64, None, True)
+  for stages in (6, 9):
+    assert tiles(stages=stages) == (64, mb.BLOCK_N_AT_64, False), stages
+  q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  for stages in (6, 9):
+    own = jflash.prepare(q, q, q, config=jflash.MosaicGPUConfig(backward_stages=stages))
+    assert mosaic_impl.backward_kind(q, q, *own) == "pallas"
+  # a causal GQA call's group split (partial dK and dV tiles) still fits beside them
+  split = mb.call_config((1, 4096, 32, 64), (1, 4096, 2, 64), 2, causal=True)
+  assert split.group_splits > 1 and split.stats_streamed
+  assert mb.smem_bytes(64, 2, split) <= mf.SMEM_BYTES
 
 
 # -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
@@ -679,22 +707,24 @@ def test_interpreted_kernel_options(consumers):
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("block_n,persistent", [(64, False), (128, True)])
-def test_interpreted_streamed_statistics_without_the_dv_overlap(block_n, persistent):
+@pytest.mark.parametrize("block_n,persistent,dv_overlap", [(64, False, False),
+                                                           (128, True, True)])
+def test_interpreted_streamed_statistics(block_n, persistent, dv_overlap):
   """`stats_streamed`: each query tile's lse and delta come through the producer's
   slots (four copies per slot, each slot's four "loaded" barriers in phase as the
-  slots are refilled) and are read after the products that need them; `dv_overlap`
-  False: dP^T and the dV product waited for together. GQA causal with tails (S =
-  150), on launched grids with 64-row query tiles through three slots (T = 70), and on
-  the persistent grids with 128 through two (T = 300: items of up to three tiles per
-  head, two heads, so a program refills its slots within and across items)."""
+  slots are refilled) and are read after the products that need them. GQA causal with
+  tails (S = 150): on launched grids with 64-row query tiles through three slots (T =
+  70) with `dv_overlap` False (dP^T and the dV product waited for together); and with
+  d = 64's default tile form (BLOCK_N_AT_64 rows, dv_overlap True) on the persistent
+  grids through two slots (T = 300: items of up to three tiles per head, two heads, so
+  a program refills its slots within and across items)."""
   T = 300 if persistent else 70
   q, k, v, do = random_qkv((1, T, 150, 4, 2, 64), jnp.bfloat16, seed=8)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   config = mb.BackwardConfig(consumers=2, block_n=block_n, stages=2 if persistent else 3,
                              persistent=persistent,
-                             stats_streamed=True, dv_overlap=False,
+                             stats_streamed=True, dv_overlap=dv_overlap,
                              dq_rows_in_registers=persistent)
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True, num_sms=3)
@@ -783,14 +813,16 @@ def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
 def test_interpreted_default_backward_splits_a_small_causal_group():
   """The adapter's default for a causal MQA call too small to fill the GPU: two
   consumers, a producer, the group split over every head (2 programs per key tile),
-  and the separate dQ kernel on key tiles of 128 (S = 72: one tile, its tail masked);
-  gradients through jflash's custom_vjp within the rule."""
+  and d = 64's tiles of 128 in both kernels with lse and delta streamed (T = 64, S =
+  72: one tile each, its tail masked); gradients through jflash's custom_vjp within
+  the rule."""
   q, k, v, do = random_qkv((1, 64, 72, 2, 1, 64), jnp.bfloat16, seed=10)
   impl = api.get_implementation("mosaic_gpu")
   cfg, masks = jflash.prepare(q, k, v, is_causal=True,
                               config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
   assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
-      consumers=2, group_splits=2, dq_block_n=128, dq_rows_in_registers=True)
+      consumers=2, group_splits=2, block_n=128, stats_streamed=True,
+      dq_rows_in_registers=True)
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   _check_grads(got, q, k, v, do, is_causal=True)
 

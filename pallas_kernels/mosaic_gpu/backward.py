@@ -139,7 +139,9 @@ class BackwardConfig:
     dQ kernel runs two consumers.
   dkv_rows_in_registers: the same for the dK/dV kernel's fixed K and V rows (the A
     operands of S^T = K Q^T and dP^T = V dO^T): 16 + 16 registers at d = 64 (level
-    there on the H200); at d = 128 they take 32 + 32 beside dK and dV's 128, where the
+    there on the H200 on 64-row tiles; on d = 64's default tiles, 128 rows with lse
+    and delta streamed, slower: 4K fwd+bwd 364.7 TF/s against 409.8,
+    mosaic_bwd_d64_tiles128_variants_h200.json); at d = 128 they take 32 + 32 beside dK and dV's 128, where the
     consumer already spills (correct on the H200, not timed).
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
@@ -165,12 +167,18 @@ class BackwardConfig:
     consumers read lse after S^T's product and delta after dP^T's (JAX's Mosaic GPU
     kernel), in place of loading both from global memory at the tile's start, where
     they stay live in registers through the tile's products. Two consumers, not at
-    the head dims split by role, not with fused_dq. Untimed.
+    the head dims split by role, not with fused_dq. The default at head_dim 64 with
+    its query tiles of 128 (BLOCK_N_AT_64, which it lets fit the registers); slower
+    at 128 (16K fwd+bwd 524.1 TF/s against 539.8 on 64-row tiles).
   dv_overlap: the dK/dV kernel issues dV += P^T dO right behind dP^T = V dO^T and
     waits for dP^T alone, so that dS^T is computed under the dV product
     (FlashAttention-3; True, the default); False waits for both (JAX's Mosaic GPU
     kernel): the input-dtype copy of P^T, the dV product's operand, is then free
-    before dS^T is computed. Not at the head dims split by role. Untimed.
+    before dS^T is computed. Not at the head dims split by role. With lse and delta
+    streamed, False measured slower at d = 64 (4K fwd+bwd 398.3 TF/s against 419.1 on
+    128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
+    against 524.1 on 64-row tiles), still behind the default there (539.8;
+    mosaic_bwd_stats_streamed_time_h200.json).
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -272,17 +280,24 @@ CAUSAL_MIN_PROGRAMS = 512
 # and V tiles between its own products; two consumers share a producer's stream.
 DQ_CONSUMERS_ABOVE_128 = 2
 
-# At head_dim 64, the dQ kernel's key tiles of 128 (JAX's Mosaic GPU kernel's dQ tile),
-# unless the caller set block_n or dq_block_n (the head dims below, which take d = 64's
-# tiles, keep 64 until run on the H200 with them): half the tiles per query row of
-# 64-key tiles, so half the slot barriers and matrix-product waits per unit of work,
-# with the dQ result (32 registers per thread), S and dP (64 each) within the
-# consumers' 240. fwd+bwd TF/s on the H200 at 4K d64 (batch 4, 32 heads), alternating
-# rounds in two processes (mosaic_bwd_d64_sustained_h200.json,
-# ..._sustained2_h200.json): 381.8 / 381.3 against 369.9 / 369.0 with 64, causal
-# 309.9 / 303.3 against 295.4 / 299.3;
-# gradients within the rule at d64 (mosaic_bwd_d64_dq128_check_h200.json: 6/6).
-DQ_BLOCK_N_AT_64 = 128
+# At head_dim 64, unless the caller set block_n, dq_block_n or stats_streamed: with two
+# consumers, tiles of 128 in both kernels (query rows of the dK/dV kernel, key rows of
+# the dQ kernel) with lse and delta streamed (`stats_streamed`), JAX's Mosaic GPU
+# kernel's tiles; otherwise the dQ kernel's key tiles alone (the head dims below, which
+# take d = 64's tiles, keep 64 until run on the H200 with these). Twice the rows per
+# tile halve the slot barriers and matrix-product waits per unit of work; the 128-row
+# dK/dV tile fits the consumers' 240 registers only with lse and delta read from shared
+# memory after the products that need them (ptxas: 28 bytes spilled,
+# experiments/results/ptxas_h200/bwd_d64/), where loading them at the tile's start kept
+# 2 x 128 / 128 more registers live through it (283 TF/s against 331 in an earlier try).
+# fwd+bwd TF/s on the H200 at 4K d64 (batch 4, 32 heads), alternating rounds of one
+# process (mosaic_bwd_stats_streamed_time_h200.json): 419.1 against 385.9 with dQ key
+# tiles of 128 alone, 398.0 with lse and delta streamed on 64-row tiles, 376.8 for the
+# Triton backward and 435.2 for cuDNN; causal 327.5 against 315.1, 325.9, 331.4 and
+# 375.3. At head_dim 128 the same tiles lose (16K: 416.3 against 539.8; streamed on
+# 64-row tiles 524.1). Gradients within the rule with these tiles at d 64 and 128
+# (mosaic_bwd_stats_streamed_check_h200.json: 15/15).
+BLOCK_N_AT_64 = 128
 
 
 def stream_slots(consumers: int, stages: int) -> int:
@@ -337,7 +352,9 @@ def persistent_wins(*, causal: bool, group: int) -> bool:
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
-  caller set block_n or dq_block_n, dQ key tiles of DQ_BLOCK_N_AT_64; unless the
+  caller set block_n, dq_block_n or stats_streamed, tiles of BLOCK_N_AT_64
+  (`tiles_at_64`);
+  unless the
   caller set dq_rows_in_registers, the dQ kernel's rows in registers where it runs
   with two (`dq_consumers_of`; not at the head dims split by role, where dQ alone
   takes d / 2 registers, nor with fused_dq, where no dQ kernel runs); unless the
@@ -353,8 +370,8 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
   if (H == 64 and not config.fused_dq
-      and not {"block_n", "dq_block_n"} & set(fields)):
-    config = dataclasses.replace(config, dq_block_n=DQ_BLOCK_N_AT_64)
+      and not {"block_n", "dq_block_n", "stats_streamed"} & set(fields)):
+    config = tiles_at_64(config, itemsize)
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
       and (config.dq_block_n or config.block_n) == ROWS):
     two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
@@ -380,6 +397,20 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
         break
       config = split
   return config
+
+
+def tiles_at_64(config: BackwardConfig, itemsize: int) -> BackwardConfig:
+  """`config` with d = 64's default tiles (BLOCK_N_AT_64): both kernels' with lse and
+  delta streamed where that form runs (two consumers, the caller's stages within its
+  "loaded" barriers and shared memory), else the dQ kernel's alone."""
+  if config.consumers == 2:
+    try:
+      streamed = dataclasses.replace(config, block_n=BLOCK_N_AT_64, stats_streamed=True)
+    except ValueError:   # four "loaded" barriers per slot: the stages exceed MAX_BARRIERS
+      streamed = None
+    if streamed is not None and smem_bytes(64, itemsize, streamed) <= SMEM_BYTES:
+      return streamed
+  return dataclasses.replace(config, dq_block_n=BLOCK_N_AT_64)
 
 
 def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
