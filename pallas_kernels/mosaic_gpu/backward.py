@@ -141,8 +141,9 @@ class BackwardConfig:
     operands of S^T = K Q^T and dP^T = V dO^T): 16 + 16 registers at d = 64 (level
     there on the H200 on 64-row tiles; on d = 64's default tiles, 128 rows with lse
     and delta streamed, slower: 4K fwd+bwd 364.7 TF/s against 409.8,
-    mosaic_bwd_d64_tiles128_variants_h200.json); at d = 128 they take 32 + 32 beside dK and dV's 128, where the
-    consumer already spills (correct on the H200, not timed).
+    mosaic_bwd_d64_tiles128_variants_h200.json); at d = 128 they take 32 + 32 beside
+    dK and dV's 128, where the consumer already spills (correct on the H200, not
+    timed).
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
     head and batch) that would each have been a program (`item_coords` says in which
@@ -353,13 +354,12 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
   caller set block_n, dq_block_n or stats_streamed, tiles of BLOCK_N_AT_64
-  (`tiles_at_64`);
-  unless the
-  caller set dq_rows_in_registers, the dQ kernel's rows in registers where it runs
-  with two (`dq_consumers_of`; not at the head dims split by role, where dQ alone
-  takes d / 2 registers, nor with fused_dq, where no dQ kernel runs); unless the
-  caller set persistent, the persistent grids for a call with one key head per query head and no
-  causal mask (`persistent_wins`) where both kernels run two consumers; unless the
+  (`tiles_at_64`); unless the caller set dq_rows_in_registers, the dQ kernel's rows
+  in registers where it runs with two (`dq_consumers_of`; not at the head dims split
+  by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
+  kernel runs); unless the caller set persistent, the persistent grids for a call
+  with one key head per query head and no causal mask (`persistent_wins`) where both
+  kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
   on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
   has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
