@@ -135,9 +135,10 @@ class MosaicGPUConfig(BackendConfig):
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
       without a causal mask), above 128 from
       `jflash.mosaic_impl.BY_ROLE_MIN_SEQ` rows, unless a causal dK/dV
-      grid stays small, and at 64 for one key head per query head without a causal
-      mask from `jflash.mosaic_impl.D64_MIN_SEQ` rows and for grouped heads from
-      `D64_GROUPED_MIN_SEQ`, where it measured faster on the H200, else the Triton
+      grid stays small, and at 64 for one key head per query head from
+      `jflash.mosaic_impl.D64_MIN_SEQ` rows (`D64_CAUSAL_MIN_SEQ` with a causal mask)
+      and for grouped heads from `D64_GROUPED_MIN_SEQ`, where it measured faster on
+      the H200, else the Triton
       one (the rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
@@ -189,8 +190,8 @@ class MosaicGPUConfig(BackendConfig):
       launches one program per multiprocessor looping over the work items (two
       consumers in both kernels, not with backward_dq_consumers 1, not with
       backward_fused_dq, not above head_dim 128); None: the kernel's
-      default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
-      query head without a causal mask).
+      default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: head_dim 64, or
+      one key head per query head without a causal mask).
     backward_stats_streamed, backward_dv_overlap: whenever the Mosaic GPU backward
       runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
       and read where used (two consumers, no fused dQ), and dV's product overlapped

@@ -110,11 +110,16 @@ BY_ROLE_MIN_SEQ = 1024
 # 16): 355.5 against 329.3; 2K (batch 8) 395.7 against 355.8
 # (mosaic_bwd_d64_short_time_h200.json); 4K (batch 4) 409.8 against 364.0
 # (mosaic_bwd_d64_tiles128_variants_h200.json; 419.1 against 376.8 in another call,
-# mosaic_bwd_stats_streamed_time_h200.json). With a causal mask the Triton one leads
-# (1K 244.6 against 218.8, 2K 294.6 against 282.5, 4K 325.5 against 317.4).
+# mosaic_bwd_stats_streamed_time_h200.json).
 D64_MIN_SEQ = 1024
-# ... and for grouped heads, the length timed, 4K: GQA 32/8 396.2 against 365.8, causal
-# 343.6 against 327.2 (mosaic_bwd_d64_tiles128_variants_h200.json).
+# ... with a causal mask, on the persistent grids (`persistent_wins`), from 4K: 334.2
+# against 329.4 (mosaic_bwd_d64_persistent_time_h200.json, 5 rounds; 341.5 against 322.9
+# in the call before, mosaic_bwd_d64_causal_dq_variants_h200.json) and 16K (batch 1)
+# 385.4 against 376.1; shorter the Triton one leads (2K 291.3 against 289.4, 1K 246.9
+# against 228.6).
+D64_CAUSAL_MIN_SEQ = 4096
+# ... and for grouped heads, the length timed, 4K: GQA 32/8 407.0 against 374.1, causal
+# 358.4 against 330.1 (mosaic_bwd_d64_persistent_time_h200.json).
 D64_GROUPED_MIN_SEQ = 4096
 
 
@@ -155,10 +160,11 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     mosaic_bwd_d256_time_h200.json; 1K, batch 16, 323.5 against 287.4, causal 253.3
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
-  head_dim 64: the Mosaic GPU backward with the default config (its tiles of 128)
-  for one key head per query head without a causal mask from D64_MIN_SEQ rows and
-  for grouped heads from D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as
-  above), else the Triton backward (the numbers at those constants).
+  head_dim 64: the Mosaic GPU backward with the default config (its tiles of 128, on
+  the persistent grids) for one key head per query head from D64_MIN_SEQ rows
+  (D64_CAUSAL_MIN_SEQ with a causal mask) and for grouped heads from
+  D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as above), else the Triton
+  backward (the numbers at those constants).
   Head dims off the table follow the one whose tiles they take
   (`pallas_kernels.mosaic_gpu.forward.table_head_dim`), but below 64 the Triton
   backward (the Mosaic GPU one's tiles of 128 have not run there);
@@ -191,8 +197,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
       c, dq_consumers=_bwd.dq_consumers_of(H, c))
   default = backward_config(q, k, cfg, masks, own_fields=False)
   if _fwd.table_head_dim(H) == 64:   # as timed: d = 64, the default config
-    timed = (min(T, S) >= D64_GROUPED_MIN_SEQ and filled if grouped
-             else min(T, S) >= D64_MIN_SEQ and not masks.is_causal)
+    min_seq = (D64_GROUPED_MIN_SEQ if grouped else
+               D64_CAUSAL_MIN_SEQ if masks.is_causal else D64_MIN_SEQ)
+    timed = filled and min(T, S) >= min_seq
     return ("mosaic_gpu" if H == 64 and timed and resolved(config) == resolved(default)
             else "pallas")
   # one key head per query head: only the timed configs, the default and the default

@@ -127,13 +127,17 @@ def test_backward_choice_and_validation():
     q_off = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k_off = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
     assert mosaic_impl.backward_kind(q_off, k_off, *plain) == chosen, (H, B, T, N, K)
-  # head_dim 64, with the default config (tiles of 128): one key head per query head
-  # without a causal mask from D64_MIN_SEQ rows, grouped heads from D64_GROUPED_MIN_SEQ
-  # unless a causal grid stays small
+  # head_dim 64, with the default config (tiles of 128, persistent): one key head per
+  # query head from D64_MIN_SEQ rows (D64_CAUSAL_MIN_SEQ causal), grouped heads from
+  # D64_GROUPED_MIN_SEQ, unless a causal grid stays small
   n64, g64 = mosaic_impl.D64_MIN_SEQ, mosaic_impl.D64_GROUPED_MIN_SEQ
+  c64 = mosaic_impl.D64_CAUSAL_MIN_SEQ
   for (B, T, N, K), causal, fields, chosen in (
       ((16, n64, 32, 32), False, {}, "mosaic_gpu"),
-      ((4, g64, 32, 32), True, {}, "pallas"),                     # causal: Triton's
+      ((4, c64, 32, 32), True, {}, "mosaic_gpu"),                 # 4096 programs
+      ((8, c64 // 2, 32, 32), True, {}, "pallas"),                # causal, shorter
+      ((1, c64, 2, 2), True, {}, "pallas"),                       # 64 programs
+      ((4, c64, 32, 32), True, dict(backward_persistent=False), "pallas"),  # not the rule's
       ((16, n64 // 2, 32, 32), False, {}, "pallas"),              # shorter
       ((4, g64, 32, 8), False, {}, "mosaic_gpu"),                 # grouped
       ((4, g64, 32, 8), True, {}, "mosaic_gpu"),                  # 1024 programs
@@ -182,7 +186,7 @@ def test_backward_choice_and_validation():
   tiled = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_block_n=128))[0]
   assert mosaic_impl.backward_config(q, k, tiled, masks) == mb.BackwardConfig(
-      consumers=2, block_n=128, dq_rows_in_registers=True)
+      consumers=2, block_n=128, dq_rows_in_registers=True, persistent=True)   # d = 64
   assert mosaic_impl.kernel_config(q, tiled, masks) == mosaic_impl.kernel_config(q, cfg, masks)
   # each bad field named as the caller wrote it
   for record, fields, match in (
@@ -210,13 +214,16 @@ def test_backward_choice_and_validation():
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
   # caller's choice kept (at this head_dim, 64, tiles of 128 with lse and delta
-  # streamed by default, the dQ kernel's alone with one consumer)
+  # streamed and the persistent grids by default, the dQ kernel's tiles alone and the
+  # launched grids with one consumer)
   own = lambda **fields: mosaic_impl.backward_config(q, k, jflash.prepare(
       q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))[0], masks)
   assert own(backward_dq_block_n=64) == mb.BackwardConfig(
-      consumers=2, dq_block_n=64, dq_rows_in_registers=True)
+      consumers=2, dq_block_n=64, dq_rows_in_registers=True, persistent=True)
   assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(
-      consumers=2, block_n=128, stats_streamed=True)
+      consumers=2, block_n=128, stats_streamed=True, persistent=True)
+  assert own(backward_persistent=False) == mb.BackwardConfig(
+      consumers=2, block_n=128, stats_streamed=True, dq_rows_in_registers=True)
   assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1, dq_block_n=128)
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
   with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
@@ -511,7 +518,7 @@ def test_lowers_with_streamed_statistics_without_the_dv_overlap(H):
   128-row query tiles, through Mosaic GPU's checks of the 1-D copies and loads: its
   dK/dV kernel differs from the same tiles' without it, its dQ kernel does not."""
   from tests.test_mosaic import _kernel_modules
-  plain = dict(block_n=128)
+  plain = dict(block_n=128, persistent=False)    # the launched grids: no num_sms here
   fields = dict(plain, stats_streamed=True, dv_overlap=False)
   modules = [_kernel_modules(_lowered(H, MaskOptions(is_causal=True), with_masks=True,
                                       config=mb.call_config((2, 200, 4, H), (2, 330, 2, H),
@@ -813,16 +820,16 @@ def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
 def test_interpreted_default_backward_splits_a_small_causal_group():
   """The adapter's default for a causal MQA call too small to fill the GPU: two
   consumers, a producer, the group split over every head (2 programs per key tile),
-  and d = 64's tiles of 128 in both kernels with lse and delta streamed (T = 64, S =
-  72: one tile each, its tail masked); gradients through jflash's custom_vjp within
-  the rule."""
+  and d = 64's tiles of 128 in both kernels with lse and delta streamed, on the
+  persistent grids (T = 64, S = 72: one tile each, its tail masked; two programs under
+  the interpreter); gradients through jflash's custom_vjp within the rule."""
   q, k, v, do = random_qkv((1, 64, 72, 2, 1, 64), jnp.bfloat16, seed=10)
   impl = api.get_implementation("mosaic_gpu")
   cfg, masks = jflash.prepare(q, k, v, is_causal=True,
                               config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
   assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
       consumers=2, group_splits=2, block_n=128, stats_streamed=True,
-      dq_rows_in_registers=True)
+      dq_rows_in_registers=True, persistent=True)
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   _check_grads(got, q, k, v, do, is_causal=True)
 

@@ -331,23 +331,28 @@ def two_consumer_config(**fields) -> BackwardConfig:
   return BackwardConfig(**{"consumers": 2, **fields})
 
 
-def persistent_wins(*, causal: bool, group: int) -> bool:
-  """Where the persistent grids (`BackwardConfig.persistent`) are the default: one key
-  head per query head, no causal mask. fwd+bwd TF/s against the launched grids, two
-  calls of one process each on the H200 (mosaic_bwd_persistent_h200.json and its
-  _run1): 1K d128 (batch 16) 419.7 / 422.0 against 376.7 / 375.7, where each
-  program's fixed loads and stores weigh on 16 query tiles; 16K d128 548.2 / 539.7
-  against 534.9 / 531.5; the decoder LM's shape 487.7 / 494.9 against 488.3 / 484.3.
-  Slower with grouped heads (GQA 32/8 8K 516.9 against 534.7, MQA 16/1 16K 549.2 /
-  548.3 against 554.3 / 553.0: a dK/dV item runs the group's heads, and long items
-  leave the last round uneven) and with a causal mask even in the snake order
-  (`item_schedule`: 16K 518.3 against 531.1, the LM's 436.6 against 444.8, whose
-  launched grid the hardware schedules heaviest first as programs finish; level at 1K
-  causal, 277.8 / 279.9 against 275.0 / 274.4). At d = 64 with dQ key tiles of 64,
-  only across calls: 374.0 at 4K
-  (mosaic_bwd_persistent_d64_h200.json) against the launched grids' 332.8-334.0
-  (mosaic_bwd_d64_rows_in_registers_h200.json)."""
-  return not causal and group == 1
+def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
+  """Where the persistent grids (`BackwardConfig.persistent`) are the default: at
+  head_dim 64 for every call, elsewhere one key head per query head without a causal
+  mask. fwd+bwd TF/s against the launched grids, two calls of one process each on the
+  H200 (mosaic_bwd_persistent_h200.json and its _run1): 1K d128 (batch 16) 419.7 /
+  422.0 against 376.7 / 375.7, where each program's fixed loads and stores weigh on 16
+  query tiles; 16K d128 548.2 / 539.7 against 534.9 / 531.5; the decoder LM's shape
+  487.7 / 494.9 against 488.3 / 484.3. At d128 slower with grouped heads (GQA 32/8 8K
+  516.9 against 534.7, MQA 16/1 16K 549.2 / 548.3 against 554.3 / 553.0: a dK/dV item
+  runs the group's heads, and long items leave the last round uneven) and with a
+  causal mask even in the snake order (`item_schedule`: 16K 518.3 against 531.1, the
+  LM's 436.6 against 444.8, whose launched grid the hardware schedules heaviest first
+  as programs finish; level at 1K causal, 277.8 / 279.9 against 275.0 / 274.4). At
+  d = 64 (BLOCK_N_AT_64's tiles: four times the d128 grid's programs, a fourth of the
+  work each, so each program's fixed loads, first tiles and stores weigh more) faster
+  or level in every cell timed, two calls (mosaic_bwd_d64_causal_dq_variants_h200.json,
+  3 rounds / mosaic_bwd_d64_persistent_time_h200.json, 5): 4K causal 341.5 / 334.2
+  against 333.2 / 331.4, GQA 32/8 4K 408.5 / 407.0 against 397.5 / 394.9, causal
+  350.3 / 358.4 against 346.2 / 351.9, 1K causal 228.9 / 228.6 against 217.5 / 218.2,
+  2K causal 289.4 against 282.3; 16K causal (batch 1, 32 heads) level, 385.4 against
+  387.6."""
+  return head_dim == 64 or (not causal and group == 1)
 
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
@@ -357,9 +362,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   (`tiles_at_64`); unless the caller set dq_rows_in_registers, the dQ kernel's rows
   in registers where it runs with two (`dq_consumers_of`; not at the head dims split
   by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
-  kernel runs); unless the caller set persistent, the persistent grids for a call
-  with one key head per query head and no causal mask (`persistent_wins`) where both
-  kernels run two consumers; unless the
+  kernel runs); unless the caller set persistent, the persistent grids where they
+  measured faster (`persistent_wins`: head_dim 64, or one key head per query head
+  without a causal mask) and both kernels run two consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
   on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
   has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
@@ -384,7 +389,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   if (dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
       and "dq_rows_in_registers" not in fields):
     config = dataclasses.replace(config, dq_rows_in_registers=True)
-  if (persistent_wins(causal=causal, group=group) and config.consumers == 2
+  if (persistent_wins(causal=causal, group=group, head_dim=H) and config.consumers == 2
       and dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
       and "persistent" not in fields):
     config = dataclasses.replace(config, persistent=True)
