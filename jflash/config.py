@@ -190,8 +190,9 @@ class MosaicGPUConfig(BackendConfig):
       launches one program per multiprocessor looping over the work items (two
       consumers in both kernels, not with backward_dq_consumers 1, not with
       backward_fused_dq, not above head_dim 128); None: the kernel's
-      default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: head_dim 64, or
-      one key head per query head without a causal mask).
+      default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
+      query head without a causal mask; at head_dim 64 groups of up to 4, causal or
+      not).
     backward_stats_streamed, backward_dv_overlap: whenever the Mosaic GPU backward
       runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
       and read where used (two consumers, no fused dQ), and dV's product overlapped

@@ -161,7 +161,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     against 220.6; GQA 16/4 4K 441.4 against 316.7, causal 407.1 against 285.6,
     mosaic_bwd_d256_cells_h200.json).
   head_dim 64: the Mosaic GPU backward with the default config (its tiles of 128, on
-  the persistent grids) for one key head per query head from D64_MIN_SEQ rows
+  the persistent grids up to groups of 4; or the same on the launched grids, timed
+  against it with a causal mask and grouped heads) for one key head per query head
+  from D64_MIN_SEQ rows
   (D64_CAUSAL_MIN_SEQ with a causal mask) and for grouped heads from
   D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as above), else the Triton
   backward (the numbers at those constants).
@@ -200,8 +202,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if masks.is_causal else D64_MIN_SEQ)
     timed = filled and min(T, S) >= min_seq
-    return ("mosaic_gpu" if H == 64 and timed and resolved(config) == resolved(default)
-            else "pallas")
+    launched = dataclasses.replace(default, persistent=False)
+    return ("mosaic_gpu" if H == 64 and timed
+            and resolved(config) in (resolved(default), resolved(launched)) else "pallas")
   # one key head per query head: only the timed configs, the default and the default
   # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from
   # MHA_PERSISTENT_MIN_SEQ).

@@ -14,6 +14,21 @@ import pytest
 # scripts it starts get a pool larger than the most waits a test holds at once.
 os.environ.setdefault("PJRT_NPROC", "16")
 
+# Most of the suite's time is XLA's CPU compiler, not the programs it compiles (small
+# shapes; Pallas and Mosaic GPU interpreted as large programs of ops and callbacks).
+# These two flags lower LLVM's effort on the generated code (test_pallas.py +
+# test_nan.py on two cores: 187 s -> 136 s). Level 1, not 0: level 0 changed XLA's
+# elementwise results (the gradient of 5 tanh(x / 5) at x = 50: 3.6e-7 against 0 at
+# the default level, and a NaN in the plain implementation's float32 soft-cap
+# gradient), level 1 gives the default's. Set before jax starts in this process; the
+# scripts tests start inherit them.
+XLA_TEST_FLAGS = ("--xla_backend_optimization_level=1",
+                  "--xla_llvm_disable_expensive_passes=true")
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""),
+     *(f for f in XLA_TEST_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]
+).strip()
+
 # The repository root on sys.path so tests can import `tests.*` and `experiments.*`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # and its process exits (the run stops, or under pytest-xdist that worker, and the test
 # fails), instead of waiting out CI's limit. (Mosaic GPU's interpreter runs
 # each warpgroup as a thread; one that raises leaves the others waiting on a barrier.
-# The slowest test took 28 s in a clean-clone CI run on two cores.)
+# The slowest step, the ring tests' 8-device worker, took 90-120 s on two cores.)
 HANG_S = 900
 
 

@@ -18,12 +18,11 @@ import pytest
 
 
 REPO = Path(__file__).resolve().parents[1]
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def run_script(name, out_dir, *extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip())
+  # (XLA_FLAGS: conftest's compile-time flags, inherited.)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1")
   proc = subprocess.run(
       [sys.executable, "-m", f"experiments.{name}", "--tiny", "--out-dir",
        str(out_dir), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

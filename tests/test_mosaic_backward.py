@@ -137,7 +137,7 @@ def test_backward_choice_and_validation():
       ((4, c64, 32, 32), True, {}, "mosaic_gpu"),                 # 4096 programs
       ((8, c64 // 2, 32, 32), True, {}, "pallas"),                # causal, shorter
       ((1, c64, 2, 2), True, {}, "pallas"),                       # 64 programs
-      ((4, c64, 32, 32), True, dict(backward_persistent=False), "pallas"),  # not the rule's
+      ((4, c64, 32, 32), True, dict(backward_persistent=False), "mosaic_gpu"),  # launched
       ((16, n64 // 2, 32, 32), False, {}, "pallas"),              # shorter
       ((4, g64, 32, 8), False, {}, "mosaic_gpu"),                 # grouped
       ((4, g64, 32, 8), True, {}, "mosaic_gpu"),                  # 1024 programs

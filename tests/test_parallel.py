@@ -353,11 +353,10 @@ def _worker():
 @pytest.fixture(scope="module")
 def ring_results():
   env = dict(os.environ)
-  # The device count must be set before jax starts; the two LLVM flags cut the
-  # 8-partition compile time about 3x and change no float semantics.
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={NUM_DEVICES} "
-                      "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
+  # The device count must be set before jax starts, last (XLA takes a flag's last
+  # value), beside conftest's compile-time flags.
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, cwd=ROOT,

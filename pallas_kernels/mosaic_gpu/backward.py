@@ -1,7 +1,8 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
 (dq, dk, dv). Checked on the H200 against float64 (experiments/results/
 mosaic_backward_check_h200.json at the defaults; mosaic_bwd_persistent_check_h200.json
-with the persistent grids wherever they run) and, on a CPU, by lowering and by
+with the persistent grids wherever they run, mosaic_bwd_d64_persistent_check_h200.json
+at head_dim 16-64 with a causal mask and grouped heads) and, on a CPU, by lowering and by
 Mosaic GPU's own interpreter (tests/test_mosaic_backward.py).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
@@ -332,9 +333,10 @@ def two_consumer_config(**fields) -> BackwardConfig:
 
 
 def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
-  """Where the persistent grids (`BackwardConfig.persistent`) are the default: at
-  head_dim 64 for every call, elsewhere one key head per query head without a causal
-  mask. fwd+bwd TF/s against the launched grids, two calls of one process each on the
+  """Where the persistent grids (`BackwardConfig.persistent`) are the default: one key
+  head per query head without a causal mask, and at head_dim 64 also with one and for
+  groups of up to 4 query heads per key head (the groups timed there; MQA and larger
+  groups keep the launched grids, as at d128). fwd+bwd TF/s against the launched grids, two calls of one process each on the
   H200 (mosaic_bwd_persistent_h200.json and its _run1): 1K d128 (batch 16) 419.7 /
   422.0 against 376.7 / 375.7, where each program's fixed loads and stores weigh on 16
   query tiles; 16K d128 548.2 / 539.7 against 534.9 / 531.5; the decoder LM's shape
@@ -352,7 +354,7 @@ def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
   350.3 / 358.4 against 346.2 / 351.9, 1K causal 228.9 / 228.6 against 217.5 / 218.2,
   2K causal 289.4 against 282.3; 16K causal (batch 1, 32 heads) level, 385.4 against
   387.6."""
-  return head_dim == 64 or (not causal and group == 1)
+  return (not causal and group == 1) or (head_dim == 64 and group <= 4)
 
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
@@ -363,8 +365,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   in registers where it runs with two (`dq_consumers_of`; not at the head dims split
   by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
   kernel runs); unless the caller set persistent, the persistent grids where they
-  measured faster (`persistent_wins`: head_dim 64, or one key head per query head
-  without a causal mask) and both kernels run two consumers; unless the
+  measured faster (`persistent_wins`: one key head per query head without a causal
+  mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
+  consumers; unless the
   caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
   on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
   has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
