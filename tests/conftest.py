@@ -20,8 +20,8 @@ os.environ.setdefault("PJRT_NPROC", "16")
 # test_nan.py on two cores: 187 s -> 136 s). Level 1, not 0: level 0 changed XLA's
 # elementwise results (the gradient of 5 tanh(x / 5) at x = 50: 3.6e-7 against 0 at
 # the default level, and a NaN in the plain implementation's float32 soft-cap
-# gradient), level 1 gives the default's. Set before jax starts in this process; the
-# scripts tests start inherit them.
+# gradient); level 1 gave the default's results there, and the suite passes with it.
+# Set before jax starts in this process; the scripts tests start inherit them.
 XLA_TEST_FLAGS = ("--xla_backend_optimization_level=1",
                   "--xla_llvm_disable_expensive_passes=true")
 os.environ["XLA_FLAGS"] = " ".join(

@@ -334,12 +334,13 @@ def two_consumer_config(**fields) -> BackwardConfig:
 
 def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
   """Where the persistent grids (`BackwardConfig.persistent`) are the default: one key
-  head per query head without a causal mask, and at head_dim 64 also with one and for
-  groups of up to 4 query heads per key head (the groups timed there; MQA and larger
-  groups keep the launched grids, as at d128). fwd+bwd TF/s against the launched grids, two calls of one process each on the
-  H200 (mosaic_bwd_persistent_h200.json and its _run1): 1K d128 (batch 16) 419.7 /
-  422.0 against 376.7 / 375.7, where each program's fixed loads and stores weigh on 16
-  query tiles; 16K d128 548.2 / 539.7 against 534.9 / 531.5; the decoder LM's shape
+  head per query head without a causal mask, and at head_dim 64 also with a causal
+  mask and for groups of up to 4 query heads per key head (the groups timed there; MQA
+  and larger groups keep the launched grids, as at d128). fwd+bwd TF/s against the
+  launched grids, two calls of one process each on the H200
+  (mosaic_bwd_persistent_h200.json and its _run1): 1K d128 (batch 16) 419.7 / 422.0
+  against 376.7 / 375.7, where each program's fixed loads and stores weigh on 16 query
+  tiles; 16K d128 548.2 / 539.7 against 534.9 / 531.5; the decoder LM's shape
   487.7 / 494.9 against 488.3 / 484.3. At d128 slower with grouped heads (GQA 32/8 8K
   516.9 against 534.7, MQA 16/1 16K 549.2 / 548.3 against 554.3 / 553.0: a dK/dV item
   runs the group's heads, and long items leave the last round uneven) and with a
