@@ -347,8 +347,8 @@ def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
   causal mask even in the snake order (`item_schedule`: 16K 518.3 against 531.1, the
   LM's 436.6 against 444.8, whose launched grid the hardware schedules heaviest first
   as programs finish; level at 1K causal, 277.8 / 279.9 against 275.0 / 274.4). At
-  d = 64 (BLOCK_N_AT_64's tiles: four times the d128 grid's programs, a fourth of the
-  work each, so each program's fixed loads, first tiles and stores weigh more) faster
+  d = 64 (BLOCK_N_AT_64's tiles: a causal dQ program of the 4K cell does an eighth of
+  a 16K d128 one's work, so its fixed loads, first tiles and stores weigh more) faster
   or level in every cell timed, two calls (mosaic_bwd_d64_causal_dq_variants_h200.json,
   3 rounds / mosaic_bwd_d64_persistent_time_h200.json, 5): 4K causal 341.5 / 334.2
   against 333.2 / 331.4, GQA 32/8 4K 408.5 / 407.0 against 397.5 / 394.9, causal
