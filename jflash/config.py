@@ -138,8 +138,7 @@ class MosaicGPUConfig(BackendConfig):
       grid stays small, and at 64 for one key head per query head from
       `jflash.mosaic_impl.D64_MIN_SEQ` rows (`D64_CAUSAL_MIN_SEQ` with a causal mask)
       and for grouped heads from `D64_GROUPED_MIN_SEQ`, where it measured faster on
-      the H200, else the Triton
-      one (the rule: `jflash.mosaic_impl.backward_kind`);
+      the H200, else the Triton one (the rule: `jflash.mosaic_impl.backward_kind`);
       "pallas": the Triton backward
       kernels; "mosaic_gpu": the Mosaic GPU backward kernels
       (pallas_kernels/mosaic_gpu/backward.py), head_dim a multiple of 16 up to 256.

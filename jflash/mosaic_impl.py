@@ -163,10 +163,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   head_dim 64: the Mosaic GPU backward with the default config (its tiles of 128, on
   the persistent grids up to groups of 4; or the same on the launched grids, timed
   against it with a causal mask and grouped heads) for one key head per query head
-  from D64_MIN_SEQ rows
-  (D64_CAUSAL_MIN_SEQ with a causal mask) and for grouped heads from
-  D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as above), else the Triton
-  backward (the numbers at those constants).
+  from D64_MIN_SEQ rows (D64_CAUSAL_MIN_SEQ with a causal mask) and for grouped heads
+  from D64_GROUPED_MIN_SEQ (unless a causal grid stays small, as above), else the
+  Triton backward (the numbers at those constants).
   Head dims off the table follow the one whose tiles they take
   (`pallas_kernels.mosaic_gpu.forward.table_head_dim`), but below 64 the Triton
   backward (the Mosaic GPU one's tiles of 128 have not run there);
@@ -197,21 +196,20 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   # (dq_consumers resolved first: None and the count it stands for are one config.)
   resolved = lambda c: c if c.fused_dq else dataclasses.replace(  # noqa: E731
       c, dq_consumers=_bwd.dq_consumers_of(H, c))
+  # The configs timed against the Triton backward: the default, and the default on the
+  # launched grids.
   default = backward_config(q, k, cfg, masks, own_fields=False)
-  if _fwd.table_head_dim(H) == 64:   # as timed: d = 64, the default config
+  timed_config = resolved(config) in (resolved(default),
+                                      resolved(dataclasses.replace(default, persistent=False)))
+  if _fwd.table_head_dim(H) == 64:   # as timed: d = 64
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if masks.is_causal else D64_MIN_SEQ)
-    timed = filled and min(T, S) >= min_seq
-    launched = dataclasses.replace(default, persistent=False)
-    return ("mosaic_gpu" if H == 64 and timed
-            and resolved(config) in (resolved(default), resolved(launched)) else "pallas")
-  # one key head per query head: only the timed configs, the default and the default
-  # on the launched grids (timed from MHA_MIN_SEQ rows; the persistent grids from
-  # MHA_PERSISTENT_MIN_SEQ).
+    return ("mosaic_gpu" if H == 64 and timed_config and filled and min(T, S) >= min_seq
+            else "pallas")
+  # one key head per query head: only the timed configs (from MHA_MIN_SEQ rows; the
+  # persistent grids from MHA_PERSISTENT_MIN_SEQ).
   min_seq = MHA_PERSISTENT_MIN_SEQ if config.persistent else MHA_MIN_SEQ
-  timed_mha = (resolved(config) in (resolved(default),
-                                    resolved(dataclasses.replace(default, persistent=False)))
-               and min(T, S) >= min_seq)
+  timed_mha = timed_config and min(T, S) >= min_seq
   return "mosaic_gpu" if (grouped or timed_mha) and filled else "pallas"
 
 

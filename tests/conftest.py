@@ -24,10 +24,9 @@ os.environ.setdefault("PJRT_NPROC", "16")
 # Set before jax starts in this process; the scripts tests start inherit them.
 XLA_TEST_FLAGS = ("--xla_backend_optimization_level=1",
                   "--xla_llvm_disable_expensive_passes=true")
+_own_flags = os.environ.get("XLA_FLAGS", "")    # a flag set there keeps its value
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""),
-     *(f for f in XLA_TEST_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]
-).strip()
+    [_own_flags, *(f for f in XLA_TEST_FLAGS if f.split("=")[0] not in _own_flags)]).strip()
 
 # The repository root on sys.path so tests can import `tests.*` and `experiments.*`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

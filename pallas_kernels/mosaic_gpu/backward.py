@@ -368,8 +368,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   kernel runs); unless the caller set persistent, the persistent grids where they
   measured faster (`persistent_wins`: one key head per query head without a causal
   mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
-  consumers; unless the
-  caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
+  consumers; unless the caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
   on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
   has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
   fewest splits of its GQA group (N / K query heads) that reach it, or the most that
