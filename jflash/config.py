@@ -130,6 +130,9 @@ class MosaicGPUConfig(BackendConfig):
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
+    l2_group: on a persistent grid with a causal mask, consecutive query blocks of
+      one head given to programs that run at once, so they share its K and V in L2
+      (a positive int; no other grid reads it).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
@@ -199,12 +202,17 @@ class MosaicGPUConfig(BackendConfig):
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
       head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else
       False; and True.
+    backward_l2_group: whenever the Mosaic GPU backward runs on persistent grids with
+      a causal mask, consecutive tiles of one head (key tiles of the dK/dV kernel,
+      query blocks of the dQ kernel) given to programs that run at once (`l2_group`);
+      None: the kernel's default (`pallas_kernels.mosaic_gpu.backward.L2_GROUP` at
+      head_dim 64 from `L2_GROUP_MIN_PAIRS` (batch, key head) pairs, else 1).
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers")
+      "consumer_registers", "l2_group")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -214,7 +222,8 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dq_rows_in_registers": "dq_rows_in_registers",
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
-      "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap"}
+      "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
+      "backward_l2_group": "l2_group"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -224,6 +233,7 @@ class MosaicGPUConfig(BackendConfig):
   consumers: int | None = None
   ping_pong: bool | None = None
   consumer_registers: int | None = None
+  l2_group: int | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -237,6 +247,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_persistent: bool | None = None
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
+  backward_l2_group: int | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -193,9 +193,11 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
             or _bwd.dkv_programs(B, K, S, H, config) >= _bwd.CAUSAL_MIN_PROGRAMS)
   if _bwd.by_role(H):   # as timed: from BY_ROLE_MIN_SEQ
     return "mosaic_gpu" if filled and min(T, S) >= BY_ROLE_MIN_SEQ else "pallas"
-  # (dq_consumers resolved first: None and the count it stands for are one config.)
-  resolved = lambda c: c if c.fused_dq else dataclasses.replace(  # noqa: E731
-      c, dq_consumers=_bwd.dq_consumers_of(H, c))
+  # (dq_consumers resolved first: None and the count it stands for are one config;
+  # l2_group left out: it orders a persistent causal grid's items, and at d = 64 both
+  # orders timed, groups of 1 and 8, ran ahead of the Triton backward.)
+  resolved = lambda c: dataclasses.replace(c, l2_group=1) if c.fused_dq else (  # noqa: E731
+      dataclasses.replace(c, dq_consumers=_bwd.dq_consumers_of(H, c), l2_group=1))
   # The configs timed against the Triton backward: the default, and the default on the
   # launched grids.
   default = backward_config(q, k, cfg, masks, own_fields=False)

@@ -15,6 +15,8 @@ Three levels, all on the CI machine:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import re
 import types
 
@@ -283,9 +285,10 @@ def test_lowers_under_warpgroup_semantics(causal):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_persistent(causal):
-  config = mf.MosaicConfig(64, 128, 2, persistent=True)
+@pytest.mark.parametrize("causal,order", [(False, {}), (True, {}),
+                                          (True, dict(l2_group=4))])
+def test_lowers_persistent(causal, order):
+  config = mf.MosaicConfig(64, 128, 2, persistent=True, **order)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
@@ -409,6 +412,39 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant)
                               interpret=True, num_sms=1 if config.consumers == 3 else 3)
   _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
                            is_causal=causal)
+
+
+def test_interpreted_causal_persistent_grid_in_head_groups():
+  """A causal persistent grid whose items go out in groups of query blocks of one head
+  (`l2_group` 2 over 3 blocks: a narrower last group): 2 programs over 3 blocks x 3
+  heads of GQA 3/1, with tails; every item's output as the reference's. A bad group
+  size is refused."""
+  q, k, v = random_qkv((1, 260, 250, 3, 1, 64), jnp.bfloat16, seed=6)[:3]
+  config = mf.MosaicConfig(64, 64, 2, persistent=True, l2_group=2)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
+                              config=config, interpret=True, num_sms=2)
+  _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
+  for bad in (0, 1.0, True):
+    with pytest.raises(ValueError, match="l2_group"):
+      mf.MosaicConfig(l2_group=bad)
+
+
+@pytest.mark.parametrize("sizes,l2_group", [((16, 32, 4), 4), ((5, 3, 2), 2), ((7, 3, 2), 3),
+                                            ((3, 2, 1), 5), ((1, 4, 2), 3),
+                                            ((3, 2, 1), 2 ** 31 - 1)])
+def test_item_coords_in_head_groups_cover_the_grid_once(sizes, l2_group):
+  """`item_coords` with a causal mask and `l2_group` g: a bijection onto the grid; the
+  tiles go in groups of g consecutive ones (the last group narrower when g does not
+  divide them), within a group fastest, then heads, then batch, and groups ascend."""
+  n = math.prod(sizes)
+  coords = np.stack([np.asarray(c) for c in mf.item_coords(
+      jnp.arange(n, dtype=jnp.int32), sizes, True, l2_group)], -1)
+  assert sorted(map(tuple, coords.tolist())) == sorted(itertools.product(*map(range, sizes)))
+  group = coords[:, 0] // l2_group
+  assert np.all(np.diff(group) >= 0)
+  first = coords[group == 0]
+  width = min(l2_group, sizes[0])
+  assert first[:width].tolist() == [[t, 0, 0] for t in range(width)]
 
 
 @pytest.mark.parametrize("overlap", [None, True])

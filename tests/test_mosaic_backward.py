@@ -228,6 +228,30 @@ def test_backward_choice_and_validation():
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
   with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_dq_rows_in_registers=True)
+  # causal persistent grids at head_dim 64 of L2_GROUP_MIN_PAIRS (batch, key head) pairs
+  # or more go out in groups of L2_GROUP tiles per head; fewer pairs, launched grids,
+  # other head dims or the caller's l2_group keep theirs. "auto" picks the same backward
+  # whatever the group (an order of the items; both timed orders won at d = 64).
+  shapes = lambda B, N, K, H=64: (jax.ShapeDtypeStruct((B, 4096, N, H), jnp.bfloat16),
+                                  jax.ShapeDtypeStruct((B, 4096, K, H), jnp.bfloat16))
+  for (B, N, K, H), causal, fields, want in (
+      ((4, 32, 32, 64), True, {}, mb.L2_GROUP), ((4, 32, 8, 64), True, {}, 1),
+      ((4, 32, 32, 64), False, {}, 1), ((4, 32, 32, 64), True, dict(backward_l2_group=2), 2),
+      ((4, 32, 32, 64), True, dict(backward_persistent=False), 1),
+      ((8, 16, 16, 128), True, dict(backward_persistent=True), 1)):
+    qs, ks = shapes(B, N, K, H)
+    assert B * K >= mb.L2_GROUP_MIN_PAIRS or (B, K) == (4, 8)
+    cfg_masks = jflash.prepare(qs, ks, ks, is_causal=causal,
+                               config=jflash.MosaicGPUConfig(**fields))
+    assert mosaic_impl.backward_config(qs, ks, *cfg_masks).l2_group == want, (B, K, fields)
+  for H, causal in ((64, True), (128, True), (64, False)):
+    qs, ks = shapes(4, 32, 32, H)
+    kinds = {mosaic_impl.backward_kind(qs, ks, *jflash.prepare(
+        qs, ks, ks, is_causal=causal, config=jflash.MosaicGPUConfig(**fields)))
+        for fields in ({}, dict(backward_l2_group=1), dict(backward_l2_group=8))}
+    assert kinds == {"mosaic_gpu"}, (H, causal, kinds)
+  with pytest.raises(ValueError, match="backward_l2_group=0 must be a positive int"):
+    jflash.MosaicGPUConfig(backward_l2_group=0)
   # the dQ kernel's slots count where they are wider than the dK/dV kernel's
   assert mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2, dq_block_n=128)) == \
       mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2)) + 2 * 2 * 64 * 128 * 2
@@ -738,20 +762,21 @@ def test_interpreted_streamed_statistics(block_n, persistent, dv_overlap):
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("H,group_splits,causal", [(64, 2, True), (128, 1, True),
-                                                   (64, 1, False)])
-def test_interpreted_persistent_grids(H, group_splits, causal):
+@pytest.mark.parametrize("H,group_splits,causal,l2_group", [(64, 2, True, 1),
+                                                            (128, 1, True, 2),
+                                                            (64, 1, False, 1)])
+def test_interpreted_persistent_grids(H, group_splits, causal, l2_group):
   """`persistent`: both kernels as three programs looping over the work items of their
   grids (dK/dV: 2 key tiles x 2 key heads x the group splits; dQ: 4 heads), in the
-  causal order or the plain one, the streamed-tile count going on from item to item
-  through three slots (items of 2, 3 or 4 tiles, and of none where a causal key tile
-  sees no query: counts that cross the slots' cycle, every slot's barriers in phase),
-  GQA with tails."""
+  causal order (with `l2_group` 2: both tiles of a head before the next head) or the
+  plain one, the streamed-tile count going on from item to item through three slots
+  (items of 2, 3 or 4 tiles, and of none where a causal key tile sees no query: counts
+  that cross the slots' cycle, every slot's barriers in phase), GQA with tails."""
   q, k, v, do = random_qkv((1, 70, 150, 4, 2, H), jnp.bfloat16, seed=7)
   out, lse = jflash.attention(q, k, v, is_causal=causal, implementation="xla",
                               return_residuals=True)
   config = mb.BackwardConfig(consumers=2, persistent=True, group_splits=group_splits,
-                             dq_rows_in_registers=True, stages=3)
+                             dq_rows_in_registers=True, stages=3, l2_group=l2_group)
   # Three programs: a partial last round (backwards in the causal snake order), so the
   # programs run different numbers of items.
   got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,

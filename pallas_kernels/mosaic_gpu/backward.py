@@ -66,7 +66,8 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
                                     query_block_order, structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
                                                SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
-                                               check_head_dim_and_dtype, check_shared_memory,
+                                               check_head_dim_and_dtype, check_l2_group,
+                                               check_shared_memory,
                                                compiler_params, item_coords, item_schedule,
                                                map_rows, pad_axis, smem_layout,
                                                table_head_dim)
@@ -181,6 +182,11 @@ class BackwardConfig:
     128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
     against 524.1 on 64-row tiles), still behind the default there (539.8;
     mosaic_bwd_stats_streamed_time_h200.json).
+  l2_group: with `persistent` and a causal mask, each kernel's tiles (key tiles of the
+    dK/dV kernel, query blocks of the dQ kernel) go to the programs in groups of this
+    many consecutive ones of one head (`item_coords`), so that programs running at
+    once share that head's streamed tiles in L2; 1: one head per program of a round.
+    No other grid reads it.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -203,6 +209,7 @@ class BackwardConfig:
   persistent: bool = False
   stats_streamed: bool = False
   dv_overlap: bool = True
+  l2_group: int = 1
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -231,6 +238,7 @@ class BackwardConfig:
       raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
                        f"dq_consumers={self.dq_consumers!r} and dq_rows_in_registers="
                        f"{self.dq_rows_in_registers!r} are its fields")
+    check_l2_group(self.l2_group)
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of two consumers: dq_consumers=1 "
                        "needs persistent=False")
@@ -358,6 +366,19 @@ def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
   return (not causal and group == 1) or (head_dim == 64 and group <= 4)
 
 
+# On a causal persistent grid, `item_coords` gives a round of programs one work item
+# per (batch, key head) pair in plain order: with as many pairs as programs, none of
+# the round's Q/dO (dK/dV kernel) or K/V (dQ kernel) tiles is read twice through L2.
+# At head_dim 64 (where it was timed), from L2_GROUP_MIN_PAIRS pairs the tiles go out
+# in groups of L2_GROUP per head (`l2_group`). fwd+bwd TF/s on the H200, one process
+# (mosaic_bwd_d64_l2_group_h200.json): 4K d64 causal (4 x 32 pairs) 341.0 with groups
+# of 8 and 339.1 of 4 against 331.2 (cuDNN 370.4; in the next call, 5 rounds, 343.9
+# against 332.1, mosaic_bwd_d64_l2_group_time_h200.json); GQA 32/8 4K d64 causal
+# (4 x 8 pairs, so a round already holds about four items of each) 351.5 and 350.0
+# against 359.0: there the groups only cost the snake's balance (`item_coords`).
+L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
+
+
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
@@ -368,8 +389,10 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   kernel runs); unless the caller set persistent, the persistent grids where they
   measured faster (`persistent_wins`: one key head per query head without a causal
   mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
-  consumers; unless the caller set dq_consumers, above head_dim 128 the dQ kernel's DQ_CONSUMERS_ABOVE_128
-  on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
+  consumers, at head_dim 64 causal ones in groups of L2_GROUP tiles per head from
+  L2_GROUP_MIN_PAIRS (batch, key head) pairs unless the caller set l2_group;
+  unless the caller set dq_consumers, above head_dim 128 the dQ kernel's
+  DQ_CONSUMERS_ABOVE_128 on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
   has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
   fewest splits of its GQA group (N / K query heads) that reach it, or the most that
   fit shared memory. (Under jax.vmap, B is one problem's batch: the
@@ -396,6 +419,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
       and dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
       and "persistent" not in fields):
     config = dataclasses.replace(config, persistent=True)
+  if (causal and config.persistent and H == 64 and "l2_group" not in fields
+      and B * K >= L2_GROUP_MIN_PAIRS):
+    config = dataclasses.replace(config, l2_group=L2_GROUP)
   if causal and "group_splits" not in fields and not by_role(H):
     for splits in (d for d in range(2, group + 1) if group % d == 0):
       if dkv_programs(B, K, S, H, config) >= CAUSAL_MIN_PROGRAMS:
@@ -819,7 +845,7 @@ def _run_persistent(persistent, pipe, item_of, produce, consume, snake):
   produce(item, count) -> count over this program's work items (`_for_each_item`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
   runs consume(wg, item, count) -> count over the same items."""
-  num_items, num_ctas, _ = persistent
+  num_items, num_ctas = persistent[:2]
 
   def produce_all():
     pipe.drain(_for_each_item(num_items, num_ctas,
@@ -842,9 +868,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
   (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
   registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` = (work items,
-  programs, the grid's sizes): each program of two consumers loops over work items
-  (key tile, key head, split, batch) of the grid it stands for
-  (`BackwardConfig.persistent`); `stats_streamed`, `dv_overlap`: as
+  programs, the grid's sizes, their `item_coords` l2_group): each program of two
+  consumers loops over work items (key tile, key head, split, batch) of the grid it
+  stands for (`BackwardConfig.persistent`); `stats_streamed`, `dv_overlap`: as
   `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bk = ROWS
@@ -895,10 +921,10 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
   # Config validation keeps the persistent grid to two consumers, not split by role.
   assert consumers == 2 and not by_role(H), (consumers, H)
-  sizes = persistent[2]
+  sizes, l2_group = persistent[2:]
 
   def item_of(w):
-    coords = item_coords(w, sizes, opts.is_causal)
+    coords = item_coords(w, sizes, opts.is_causal, l2_group)
     if group_splits == 1:       # the grid (key tiles, key heads, batch)
       j, kv_head, b = coords
       return item_at(j, kv_head, None, b)
@@ -1146,8 +1172,9 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` = (work items, programs, the
-  grid's sizes): each program of two consumers loops over work items (query block,
-  head, batch) of the grid it stands for (`BackwardConfig.persistent`)."""
+  grid's sizes, their `item_coords` l2_group): each program of two consumers loops
+  over work items (query block, head, batch) of the grid it stands for
+  (`BackwardConfig.persistent`)."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -1190,10 +1217,10 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     return
 
   assert consumers == 2, consumers   # config validation: two consumers only
-  sizes = persistent[2]
+  sizes, l2_group = persistent[2:]
 
   def item_of(w):
-    q, n, b = item_coords(w, sizes, opts.is_causal)
+    q, n, b = item_coords(w, sizes, opts.is_causal, l2_group)
     return item_at(block_of(q), n, b)
 
   _run_persistent(persistent, slots, item_of,
@@ -1444,11 +1471,11 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     raise ValueError(f"num_sms={num_sms!r} must be a positive int")
 
   def persistent_grid(grid):
-    """(work items, programs, the grid's sizes) for the kernel, or None."""
+    """(work items, programs, the grid's sizes, l2_group) for the kernel, or None."""
     if not config.persistent:
       return None
     items = math.prod(grid)
-    return items, min(num_sms, items), grid
+    return items, min(num_sms, items), grid, config.l2_group
 
   def grid_of(grid, grid_names):
     """The launch's grid and axis names."""
