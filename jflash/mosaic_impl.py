@@ -196,8 +196,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   # (dq_consumers resolved first: None and the count it stands for are one config;
   # l2_group left out: it orders a persistent causal grid's items, and at d = 64 both
   # orders timed, groups of 1 and 8, ran ahead of the Triton backward.)
-  resolved = lambda c: dataclasses.replace(c, l2_group=1) if c.fused_dq else (  # noqa: E731
-      dataclasses.replace(c, dq_consumers=_bwd.dq_consumers_of(H, c), l2_group=1))
+  def resolved(c):
+    dq = {} if c.fused_dq else {"dq_consumers": _bwd.dq_consumers_of(H, c)}
+    return dataclasses.replace(c, l2_group=1, **dq)
   # The configs timed against the Triton backward: the default, and the default on the
   # launched grids.
   default = backward_config(q, k, cfg, masks, own_fields=False)

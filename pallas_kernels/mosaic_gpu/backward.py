@@ -392,11 +392,12 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   consumers, at head_dim 64 causal ones in groups of L2_GROUP tiles per head from
   L2_GROUP_MIN_PAIRS (batch, key head) pairs unless the caller set l2_group;
   unless the caller set dq_consumers, above head_dim 128 the dQ kernel's
-  DQ_CONSUMERS_ABOVE_128 on key tiles of 64 where they fit shared memory; for a causal call whose dK/dV grid
-  has fewer than CAUSAL_MIN_PROGRAMS programs and no group_splits of the caller's, the
-  fewest splits of its GQA group (N / K query heads) that reach it, or the most that
-  fit shared memory. (Under jax.vmap, B is one problem's batch: the
-  grid is then larger than counted, and the split at most larger than needed.)"""
+  DQ_CONSUMERS_ABOVE_128 on key tiles of 64 where they fit shared memory; for a
+  causal call whose dK/dV grid has fewer than CAUSAL_MIN_PROGRAMS programs and no
+  group_splits of the caller's, the fewest splits of its GQA group (N / K query heads)
+  that reach it, or the most that fit shared memory. (Under jax.vmap, B is one
+  problem's batch: the grid is then larger than counted, and the split at most larger
+  than needed.)"""
   B, S, K, H = k_shape
   group = q_shape[2] // K
   config = two_consumer_config(**fields)
@@ -840,12 +841,22 @@ def _for_each_item(num_items, num_ctas, item, snake=False):
                        jnp.int32(0))
 
 
-def _run_persistent(persistent, pipe, item_of, produce, consume, snake):
+class _PersistentGrid(NamedTuple):
+  """A kernel's persistent launch (`BackwardConfig.persistent`): `programs` programs
+  looping over the `items` work items of the grid of `sizes` they stand for, in
+  `item_coords`'s order with `l2_group`."""
+  items: int
+  programs: int
+  sizes: tuple
+  l2_group: int
+
+
+def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake):
   """A persistent program of two consumers and a producer: the producer runs
   produce(item, count) -> count over this program's work items (`_for_each_item`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
   runs consume(wg, item, count) -> count over the same items."""
-  num_items, num_ctas = persistent[:2]
+  num_items, num_ctas = persistent.items, persistent.programs
 
   def produce_all():
     pipe.drain(_for_each_item(num_items, num_ctas,
@@ -867,11 +878,10 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
   `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
   (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
-  registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` = (work items,
-  programs, the grid's sizes, their `item_coords` l2_group): each program of two
-  consumers loops over work items (key tile, key head, split, batch) of the grid it
-  stands for (`BackwardConfig.persistent`); `stats_streamed`, `dv_overlap`: as
-  `BackwardConfig`'s."""
+  registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
+  `_PersistentGrid`): each program of two consumers loops over work items (key tile,
+  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`:
+  as `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -921,10 +931,9 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
   # Config validation keeps the persistent grid to two consumers, not split by role.
   assert consumers == 2 and not by_role(H), (consumers, H)
-  sizes, l2_group = persistent[2:]
 
   def item_of(w):
-    coords = item_coords(w, sizes, opts.is_causal, l2_group)
+    coords = item_coords(w, persistent.sizes, opts.is_causal, persistent.l2_group)
     if group_splits == 1:       # the grid (key tiles, key heads, batch)
       j, kv_head, b = coords
       return item_at(j, kv_head, None, b)
@@ -1171,10 +1180,9 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   One consumer streams its own key tiles (double buffering); two share the key tiles
   a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
-  (`BackwardConfig.dq_rows_in_registers`); `persistent` = (work items, programs, the
-  grid's sizes, their `item_coords` l2_group): each program of two consumers loops
-  over work items (query block, head, batch) of the grid it stands for
-  (`BackwardConfig.persistent`)."""
+  (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
+  program of two consumers loops over work items (query block, head, batch) of the
+  grid it stands for."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -1217,10 +1225,9 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
     return
 
   assert consumers == 2, consumers   # config validation: two consumers only
-  sizes, l2_group = persistent[2:]
 
   def item_of(w):
-    q, n, b = item_coords(w, sizes, opts.is_causal, l2_group)
+    q, n, b = item_coords(w, persistent.sizes, opts.is_causal, persistent.l2_group)
     return item_at(block_of(q), n, b)
 
   _run_persistent(persistent, slots, item_of,
@@ -1471,17 +1478,17 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     raise ValueError(f"num_sms={num_sms!r} must be a positive int")
 
   def persistent_grid(grid):
-    """(work items, programs, the grid's sizes, l2_group) for the kernel, or None."""
+    """The kernel's `_PersistentGrid` over `grid`, or None."""
     if not config.persistent:
       return None
     items = math.prod(grid)
-    return items, min(num_sms, items), grid, config.l2_group
+    return _PersistentGrid(items, min(num_sms, items), grid, config.l2_group)
 
   def grid_of(grid, grid_names):
     """The launch's grid and axis names."""
     if not config.persistent:
       return grid, grid_names
-    return (persistent_grid(grid)[1],), ("sm",)
+    return (persistent_grid(grid).programs,), ("sm",)
 
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows

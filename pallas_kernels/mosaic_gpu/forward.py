@@ -386,23 +386,20 @@ def item_coords(w, sizes, causal: bool, l2_group: int = 1):
   reuse, its matmul tutorial), so that programs running at once share each head's
   streamed tiles l2_group ways, where with groups of one a round of 132 programs can
   stream as many (batch, head) pairs' tiles (at 4K d64 causal 128 pairs' K and V,
-  1 MiB each, where L2 holds 50 MiB). A round's items then span l2_group tiles and no longer cost
-  alike, which the snake balances less well (the busiest of 132 programs 3% over the
-  mean work of the 4K d64 dK/dV grid, against 0.2% in groups of one)."""
-  if not causal:
-    order = list(range(len(sizes)))
-  elif l2_group > 1 and sizes[0] > 1:
+  1 MiB each, where L2 holds 50 MiB). A round's items then span l2_group tiles and
+  no longer cost alike, which the snake balances less well (the busiest of 132
+  programs 3% over the mean work of the 4K d64 dK/dV grid, against 0.2% in groups of
+  one)."""
+  order = list(range(1, len(sizes))) + [0] if causal else list(range(len(sizes)))
+  coords = [None] * len(sizes)
+  g = min(l2_group, sizes[0]) if causal else 1   # a group wider than the tiles: all
+  if g > 1:          # the tile inside its group first; the other axes as without groups
     tiles, rest = sizes[0], math.prod(sizes[1:])
-    g = min(l2_group, tiles)               # a group wider than the tiles is all of them
     first = lax.div(w, jnp.int32(g * rest)) * g           # the group's first tile
     width = jnp.minimum(jnp.int32(g), tiles - first)      # the last group may be narrower
     r = w - first * rest
-    w = lax.div(r, width)
-    return (first + lax.rem(r, width),
-            *item_coords(w, (1, *sizes[1:]), causal=False)[1:])
-  else:
-    order = list(range(1, len(sizes))) + [0]
-  coords = [None] * len(sizes)
+    coords[0], w = first + lax.rem(r, width), lax.div(r, width)
+    order = order[:-1]
   for axis in order[:-1]:
     coords[axis] = lax.rem(w, jnp.int32(sizes[axis]))
     w = lax.div(w, jnp.int32(sizes[axis]))
