@@ -133,6 +133,9 @@ class MosaicGPUConfig(BackendConfig):
     l2_group: on a persistent grid with a causal mask, consecutive query blocks of
       one head given to programs that run at once, so they share its K and V in L2
       (a positive int; no other grid reads it).
+    scores_ahead: issue each key tile's P V product and the next tile's S = Q K^T
+      back to back, waited for together (not read with overlap; the default has it at
+      head_dim 256, pallas_kernels/mosaic_gpu/forward.py).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
@@ -212,7 +215,7 @@ class MosaicGPUConfig(BackendConfig):
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "l2_group")
+      "consumer_registers", "l2_group", "scores_ahead")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -234,6 +237,7 @@ class MosaicGPUConfig(BackendConfig):
   ping_pong: bool | None = None
   consumer_registers: int | None = None
   l2_group: int | None = None
+  scores_ahead: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -261,7 +265,7 @@ class MosaicGPUConfig(BackendConfig):
       named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
                               lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
-    for name in ("persistent", "overlap"):     # the kernel's record checks ping_pong
+    for name in ("persistent", "overlap", "scores_ahead"):   # the record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
     # The forward's rules live with the kernel's record too: building one from the

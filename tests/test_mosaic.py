@@ -285,8 +285,12 @@ def test_lowers_under_warpgroup_semantics(causal):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
+SCORES_AHEAD = dict(scores_ahead=True)   # each P V issued with the next tile's S
+
+
 @pytest.mark.parametrize("causal,order", [(False, {}), (True, {}),
-                                          (True, dict(l2_group=4))])
+                                          (True, dict(l2_group=4)), (False, SCORES_AHEAD),
+                                          (True, SCORES_AHEAD)])
 def test_lowers_persistent(causal, order):
   config = mf.MosaicConfig(64, 128, 2, persistent=True, **order)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
@@ -381,7 +385,7 @@ THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolve
 
 
 @pytest.mark.parametrize("variant, H", [({}, 64), (dict(overlap=True), 64),
-                                        (THREE_CONSUMERS, 64), ({}, 80)])
+                                        (THREE_CONSUMERS, 64), ({}, 80), (SCORES_AHEAD, 64)])
 def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
   """Two programs of 128 rows (T = 130), the last one mostly padding (with three
   consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
@@ -396,7 +400,8 @@ def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
 
 
 @pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, dict(overlap=True)),
-                                             (True, THREE_CONSUMERS)])
+                                             (True, THREE_CONSUMERS), (False, SCORES_AHEAD),
+                                             (True, SCORES_AHEAD)])
 def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
@@ -412,6 +417,58 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant)
                               interpret=True, num_sms=1 if config.consumers == 3 else 3)
   _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
                            is_causal=causal)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal, window, kv_len", [
+    (True, (300, 0), [0, 40, 512]),        # lo > 0, full tiles, masked tiles on both sides
+    (False, None, [256, 0, 64])])          # a FULL last tile; an item of one FULL tile
+def test_interpreted_scores_ahead_in_every_tile_class(persistent, causal, window, kv_len):
+  """`scores_ahead` carries each tile's S into the next tile's step and takes the last
+  tile (P V alone) by its class: items of no key tile (key length 0), of one, and of
+  several whose loops start past tile 0 and run masked, unmasked and masked tiles (T =
+  S = 512 in 64-key tiles, programs of 128 rows: 12 items, on 3 programs when
+  persistent). The output equals the loop without it to the bit, and the reference
+  under the rule; fully masked rows give zeros."""
+  B, T, S = 3, 512, 512
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=7)[:3]
+  kv_len = jnp.asarray(kv_len, jnp.int32)
+  masks = Masks(is_causal=causal, window=window, kv_lengths=kv_len)
+  opts, ops = kernel_records(masks, B=B, T=T, S=S)
+  without, ahead = [mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
+                                     num_sms=3, config=mf.MosaicConfig(
+                                         64, 64, 2, persistent=persistent, scores_ahead=a))
+                    for a in (False, True)]
+  for x, y in zip(without, ahead):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  empty = _check_against_reference(q, k, v, *ahead, scale=0.125, is_causal=causal,
+                                   local_window_size=window, key_value_seq_lengths=kv_len)
+  assert empty >= T            # the batch of no key at least
+
+
+def test_scores_ahead_is_checked():
+  for bad in (dict(pv_in_place=False), dict(scores_ahead=1)):
+    with pytest.raises(ValueError, match="scores_ahead"):
+      mf.MosaicConfig(**{"scores_ahead": True, **bad})
+  with pytest.raises(ValueError, match="scores_ahead=1"):
+    jflash.MosaicGPUConfig(scores_ahead=1)
+
+
+def test_scores_ahead_is_the_default_where_it_was_faster():
+  """At head_dim 256 only (faster there on the H200; slower at 64, 128 and 192), causal
+  or not; the rest of the entry is d = 256's table entry, as for 192."""
+  for causal in (False, True):
+    assert mf.default_config(256, causal).scores_ahead
+    assert dataclasses.replace(mf.default_config(256, causal), scores_ahead=False) == \
+        mf.default_config(192, causal)
+    for H in (64, 128, 160, 192):
+      assert not mf.default_config(H, causal).scores_ahead
+  # A caller's field over the default, either way.
+  for H, ahead in ((256, False), (64, True)):
+    q, k, v = _qkv(H)
+    cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(scores_ahead=ahead))
+    assert mosaic_impl.kernel_config(q, cfg, masks) == dataclasses.replace(
+        mf.default_config(H, False, q.shape[1]), scores_ahead=ahead)
 
 
 def test_interpreted_causal_persistent_grid_in_head_groups():

@@ -96,6 +96,11 @@ class MosaicConfig:
     in groups of this many consecutive ones of one head (`item_coords`), so that
     programs running at once share that head's K and V in L2; 1: one head per
     program of a round. No other grid reads it.
+  scores_ahead: issue each tile's P V product and the next tile's S = Q K^T back to
+    back and wait for both at once, where otherwise P V is waited for before the next
+    S is issued (the loop without `overlap`, which does not read it); needs
+    pv_in_place. The default at SCORES_AHEAD_HEAD_DIMS (faster on the H200 where the
+    products dominate a tile; slower elsewhere).
   """
 
   block_q: int = 64
@@ -109,11 +114,17 @@ class MosaicConfig:
   ping_pong: bool | None = None
   consumer_registers: int | None = None
   l2_group: int = 1
+  scores_ahead: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
       raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     check_l2_group(self.l2_group)
+    if not isinstance(self.scores_ahead, bool):
+      raise ValueError(f"scores_ahead={self.scores_ahead!r} must be a bool")
+    if self.scores_ahead and not self.pv_in_place:
+      raise ValueError("scores_ahead=True issues P V in place ahead of the next S: it "
+                       f"needs pv_in_place=True, got pv_in_place={self.pv_in_place!r}")
     if not isinstance(self.block_q, int) or self.block_q % 64 or self.block_q <= 0:
       raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
     if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
@@ -204,6 +215,18 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
           (256, False): MosaicConfig(64, 64, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
 
+# The head dims whose default issues each P V with the next tile's S (`scores_ahead`).
+# At d = 256, in one process (mosaic_scores_ahead_time_h200.json): 593.8 against 580.6
+# TF/s, causal 519.2 against 488.9 (cuDNN 617.6, 505.3); in the next benchmark run
+# 625.9 and 566.2 against 599-617 and 550-553 in the four before. There the products
+# dominate a tile (tensor pipe 74% busy, mosaic_notes.md's counters) and each wait for
+# P V before the next S is issued left the tensor cores idle. Where the softmax is as
+# long as the products it was slower in the same process: 4K d64 375.7 against 432.0,
+# causal 330.1 against 359.6, 16K d128 529.2 against 614.9 (588.8 with two consumers);
+# and so, across benchmark runs, was d = 192 on d = 256's tiles (557.4 against
+# 577-590 TF/s). 160-240 other than 192 were not timed with it.
+SCORES_AHEAD_HEAD_DIMS = (256,)
+
 
 # Query lengths below which the table's three consumers give way to two: a program of
 # 3 x 64 rows spreads its fixed costs (Q in, O out, the pipeline's fill) over fewer key
@@ -253,9 +276,12 @@ def smem_layout(cols: int, itemsize: int) -> dict:
 
 
 def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
-  """The table's config for (head_dim, causal) (`table_head_dim`), with two consumers
-  in place of three when the query length `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
+  """The table's config for (head_dim, causal) (`table_head_dim`), with `scores_ahead`
+  at SCORES_AHEAD_HEAD_DIMS and two consumers in place of three when the query length
+  `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
   config = _TABLE[table_head_dim(head_dim), bool(causal)]
+  if head_dim in SCORES_AHEAD_HEAD_DIMS:
+    config = dataclasses.replace(config, scores_ahead=True)
   if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
     return config.with_consumers(2)
   return config
@@ -525,28 +551,30 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       def sequential(acc, m_i, l_i):
         """The key tiles, each consumer's products and softmax one after the other; with
         `ping_pong` the two consumers staggered by the schedule barrier so that one's
-        softmax runs under the other's products (FlashAttention-3, 3.1)."""
-        @pl.when(hi > lo)
-        def _():
-          plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+        softmax runs under the other's products (FlashAttention-3, 3.1). With
+        `scores_ahead` a tile's P V product and the next tile's S = Q K^T are issued back
+        to back and waited for together, so the tensor cores go from one to the other
+        without the wait for P V, the loop's turn and a new issue between them; tile j's
+        S then arrives in the carry of tile j - 1."""
+        def issue_scores(s_ref, j):
+          plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(j)], (1, 0)))
 
-        pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
-
-        def body(j, carry, masked):
-          acc, m_i, l_i = carry
-          slot = slot_of(j)
-
-          def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-            schedule_turn()              # hand the tensor cores to the other consumer
-            return acc_ref[...]
+        def scores(j):
+          """S of tile j (its K slot awaited), after the turn that hands the tensor
+          cores to the other consumer."""
           if interpret:      # the interpreter's wgmma takes no transposed operand
-            s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+            s = jnp.dot(q_smem[...], k_smem[slot_of(j)].T, preferred_element_type=jnp.float32)
             schedule_turn()
-          else:
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_consumed.at[slot])
+            return s
 
+          def qk(s_ref):
+            issue_scores(s_ref, j)
+            schedule_turn()              # hand the tensor cores to the other consumer
+            return s_ref[...]
+          return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+
+        def softmax_then_turn(j, s, masked, acc, m_i, l_i):
+          """Tile j's softmax, then this consumer's turn at the tensor cores with V_j in."""
           p16, alpha, m_new, l_i = online_softmax(s, j, masked, m_i, l_i)
           if pv_in_place:    # rescale O now, under the other consumer's products
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -554,37 +582,97 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           # matters for how the two consumers overlap).
           acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
           schedule_arrive()                         # softmax done
-          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_wait(v_loaded.at[slot_of(j)])
           schedule_wait()                           # the other consumer left the tensor cores
+          return acc, p16, alpha, m_new, l_i
 
-          def wait_next_k():                        # under this tile's P V product
-            pl.when(j + 1 < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)]))
+        def wait_k(j):     # K of tile j, if the item has it (called under P V of j - 1)
+          pl.when(j < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j)]))
 
+        def pv_product(j, acc, p16, alpha, then=lambda: None):
+          """O + P V of tile j, O rescaled by alpha here unless `softmax_then_turn` did
+          (pv_in_place); `then()` runs while the product is in flight."""
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            wait_next_k()
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot_of(j)])
+            then()
 
           def pv_fresh(acc_ref):
             pv(acc_ref)
             return acc_ref[...]
           if interpret:      # the interpreter's wgmma takes no register operand
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
-                p16, v_smem[slot], preferred_element_type=jnp.float32)
-            wait_next_k()
-          elif pv_in_place:  # O = alpha * O, then O += P V inside the accumulator
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-          else:              # a fresh accumulator, then O = alpha * O + P V (one FMA)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-                pv_fresh, plgpu.ACC((bq, H), jnp.float32))
-          plgpu.barrier_arrive(v_consumed.at[slot])
+                p16, v_smem[slot_of(j)], preferred_element_type=jnp.float32)
+            then()
+            return acc
+          if pv_in_place:    # O = alpha * O, then O += P V inside the accumulator
+            return pl.run_state(pv)(plgpu.ACC.init(acc))
+          # a fresh accumulator, then O = alpha * O + P V (one FMA)
+          return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+              pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+
+        def body(j, carry, masked):
+          acc, m_i, l_i = carry
+          s = scores(j)
+          plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+          acc, p16, alpha, m_new, l_i = softmax_then_turn(j, s, masked, acc, m_i, l_i)
+          acc = pv_product(j, acc, p16, alpha, then=lambda: wait_k(j + 1))
+          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
           return acc, m_new, l_i
 
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+        def body_ahead(j, carry, masked):
+          """Tile j < hi - 1 with its S in the carry; returns tile j + 1's."""
+          acc, m_i, l_i, s = carry
+          acc, p16, alpha, m_new, l_i = softmax_then_turn(j, s, masked, acc, m_i, l_i)
+          if interpret:
+            acc = pv_product(j, acc, p16, alpha, then=lambda: wait_k(j + 1))
+            s = scores(j + 1)
+          else:              # pv_in_place (MosaicConfig checks it)
+            def products(refs):
+              acc_ref, s_ref = refs
+              plgpu.wgmma(acc_ref, p16, v_smem.at[slot_of(j)])
+              plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
+              issue_scores(s_ref, j + 1)
+              schedule_turn()
+            zeros = cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
+            acc, s = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          plgpu.barrier_arrive(k_consumed.at[slot_of(j + 1)])
+          return acc, m_new, l_i, s
+
+        def last_ahead(carry, masked):
+          """Tile hi - 1 with its S in the carry: P V alone."""
+          acc, m_i, l_i, s = carry
+          j = hi - 1
+          acc, p16, alpha, m_new, l_i = softmax_then_turn(j, s, masked, acc, m_i, l_i)
+          acc = pv_product(j, acc, p16, alpha)
+          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          return acc, m_new, l_i
+
+        if not config.scores_ahead:
+          pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(lo)]))
+        pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
+        if not config.scores_ahead:
+          carry = (acc, m_i, l_i)
+          for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+            carry = lax.fori_loop(a, z, functools.partial(body, masked=masked), carry)
+        else:
+          def first():
+            plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+            s = scores(lo)
+            plgpu.barrier_arrive(k_consumed.at[slot_of(lo)])
+            return s
+          none = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
+          carry = (acc, m_i, l_i, lax.cond(hi > lo, first, none))
+          end = jnp.maximum(lo, hi - 1)           # tiles lo .. hi - 2, in their classes
+          for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+            carry = lax.fori_loop(jnp.minimum(a, end), jnp.minimum(z, end),
+                                  functools.partial(body_ahead, masked=masked), carry)
+          last_masked = (hi - 1 < full_lo) | (hi - 1 >= full_hi)
+          carry = lax.switch(jnp.where(hi > lo, jnp.where(last_masked, 1, 2), 0),
+                             [lambda c: c[:3], functools.partial(last_ahead, masked=True),
+                              functools.partial(last_ahead, masked=False)], carry)
         pl.when(wg == 0)(schedule_turn)   # balance the stagger
-        return acc, m_i, l_i
+        return carry
 
       def overlapped(acc, m_i, l_i):
         """The key tiles, each consumer overlapping its own softmax of tile u with its
