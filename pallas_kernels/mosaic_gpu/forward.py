@@ -555,7 +555,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         `scores_ahead` a tile's P V product and the next tile's S = Q K^T are issued back
         to back and waited for together, so the tensor cores go from one to the other
         without the wait for P V, the loop's turn and a new issue between them; tile j's
-        S then arrives in the carry of tile j - 1."""
+        S is then computed in tile j - 1's step and reaches tile j through the carry."""
         def issue_scores(s_ref, j):
           plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(j)], (1, 0)))
 
