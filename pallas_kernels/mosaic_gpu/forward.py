@@ -556,6 +556,10 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         to back and waited for together, so the tensor cores go from one to the other
         without the wait for P V, the loop's turn and a new issue between them; tile j's
         S is then computed in tile j - 1's step and reaches tile j through the carry."""
+        # The tile classes: masked, unmasked, masked (`build_ranges`).
+        classes = ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
+        zero_scores = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
+
         def issue_scores(s_ref, j):
           plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(j)], (1, 0)))
 
@@ -633,8 +637,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
               plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
               issue_scores(s_ref, j + 1)
               schedule_turn()
-            zeros = cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
-            acc, s = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+            acc, s = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores())))
           plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
           plgpu.barrier_arrive(k_consumed.at[slot_of(j + 1)])
           return acc, m_new, l_i, s
@@ -653,7 +656,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         pl.when(wg == 1)(schedule_turn)   # stagger: consumer 1 starts one half-step late
         if not config.scores_ahead:
           carry = (acc, m_i, l_i)
-          for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+          for a, z, masked in classes:
             carry = lax.fori_loop(a, z, functools.partial(body, masked=masked), carry)
         else:
           def first():
@@ -661,10 +664,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
             s = scores(lo)
             plgpu.barrier_arrive(k_consumed.at[slot_of(lo)])
             return s
-          none = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
-          carry = (acc, m_i, l_i, lax.cond(hi > lo, first, none))
+          carry = (acc, m_i, l_i, lax.cond(hi > lo, first, zero_scores))
           end = jnp.maximum(lo, hi - 1)           # tiles lo .. hi - 2, in their classes
-          for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+          for a, z, masked in classes:
             carry = lax.fori_loop(jnp.minimum(a, end), jnp.minimum(z, end),
                                   functools.partial(body_ahead, masked=masked), carry)
           last_masked = (hi - 1 < full_lo) | (hi - 1 >= full_hi)
