@@ -136,6 +136,9 @@ class MosaicGPUConfig(BackendConfig):
     scores_ahead: issue each key tile's P V product and the next tile's S = Q K^T
       back to back, waited for together (not read with overlap; the default has it at
       head_dim 256, pallas_kernels/mosaic_gpu/forward.py).
+    lazy_rescale: keep each row's running max until a key tile's exceeds it by
+      more than 2^8 in probability, and rescale O only in warps where a row's moved
+      (FlashAttention-4's conditional rescaling; not with overlap).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
@@ -215,7 +218,7 @@ class MosaicGPUConfig(BackendConfig):
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "l2_group", "scores_ahead")
+      "consumer_registers", "l2_group", "scores_ahead", "lazy_rescale")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -238,6 +241,7 @@ class MosaicGPUConfig(BackendConfig):
   consumer_registers: int | None = None
   l2_group: int | None = None
   scores_ahead: bool | None = None
+  lazy_rescale: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -265,7 +269,7 @@ class MosaicGPUConfig(BackendConfig):
       named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
                               lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
-    for name in ("persistent", "overlap", "scores_ahead"):   # the record checks ping_pong
+    for name in ("persistent", "overlap", "scores_ahead", "lazy_rescale"):   # the record checks ping_pong
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
     # The forward's rules live with the kernel's record too: building one from the

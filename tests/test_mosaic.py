@@ -471,6 +471,89 @@ def test_scores_ahead_is_the_default_where_it_was_faster():
         mf.default_config(H, False, q.shape[1]), scores_ahead=ahead)
 
 
+LAZY = dict(lazy_rescale=True)   # the row max moved only past RESCALE_THRESHOLD
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal, window, kv_len", [
+    (True, (300, 0), [0, 40, 512]),
+    (False, None, [256, 0, 64])])
+def test_interpreted_lazy_rescale(persistent, causal, window, kv_len):
+  """`lazy_rescale` in the tile classes of the test above, with keys from the fourth
+  key tile on four times larger, so that some rows' max rises past the threshold
+  (2^8 in probability) within the item and others' by less (their exponentials then
+  exceed 1): the reference's output under the rule, lse to float32, fully masked rows
+  zeros; with scores_ahead too."""
+  B, T, S = 3, 512, 512
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
+  k = k.at[:, 192:].multiply(4.0)
+  kv_len = jnp.asarray(kv_len, jnp.int32)
+  masks = Masks(is_causal=causal, window=window, kv_lengths=kv_len)
+  opts, ops = kernel_records(masks, B=B, T=T, S=S)
+  logits = np.einsum("btnh,bsnh->bts", np.asarray(q, np.float64), np.asarray(k, np.float64))
+  rise = (logits[:, :, 192:].max(-1) - logits[:, :, :192].max(-1)) * 0.125 * mf.LOG2E
+  assert (rise > mf.RESCALE_THRESHOLD).any() and (rise < mf.RESCALE_THRESHOLD).any()
+  for variant in ({}, SCORES_AHEAD):
+    out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
+                                num_sms=3, config=mf.MosaicConfig(
+                                    64, 64, 2, persistent=persistent, **LAZY, **variant))
+    empty = _check_against_reference(q, k, v, out, lse, scale=0.125, is_causal=causal,
+                                     local_window_size=window, key_value_seq_lengths=kv_len)
+    assert empty >= T
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_interpreted_lazy_rescale_keeps_nan_in_its_rows(where):
+  """A NaN logit fails the threshold's comparison, so the row keeps its max; its
+  exponential and sum are NaN all the same. In K's tile 2 of 3 it reaches every row
+  (a NaN in q: its row only)."""
+  q, k, v = random_qkv((1, 64, 192, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
+  if where == "q":
+    q = q.at[0, 9, 0, 3].set(jnp.nan)
+  else:
+    k = k.at[0, 100, 0, 3].set(jnp.nan)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True,
+                              config=mf.MosaicConfig(64, 64, 2, **LAZY))
+  bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
+  assert bad.tolist() == [where == "k" or t == 9 for t in range(64)]
+  assert np.isnan(np.asarray(lse)[0, 0][bad]).all()
+
+
+def test_lazy_rescale_is_checked():
+  with pytest.raises(ValueError, match="lazy_rescale=True .* pv_in_place=False"):
+    mf.MosaicConfig(lazy_rescale=True, pv_in_place=False)
+  with pytest.raises(ValueError, match="lazy_rescale=1"):
+    mf.MosaicConfig(lazy_rescale=1)
+  with pytest.raises(ValueError, match="lazy_rescale=1"):
+    jflash.MosaicGPUConfig(lazy_rescale=1)
+
+
+@pytest.mark.parametrize("H", [64, 80, 128, 256])
+def test_lazy_rescale_is_the_default_where_it_was_faster(H):
+  """On from head dim 80 (the 128 and 256 table entries, LAZY_RESCALE_TABLE_DIMS),
+  off at 64, causal or not; a config given by the user wins either way."""
+  for causal in (False, True):
+    assert mf.default_config(H, causal, 4096).lazy_rescale == (H >= 80)
+  q, k, v = _qkv(H)
+  for given in (False, True):
+    cfg = _prepared(q, k, v, config=jflash.MosaicGPUConfig(lazy_rescale=given))
+    assert mosaic_impl.kernel_config(q, *cfg).lazy_rescale is given
+
+
+@pytest.mark.parametrize("H, causal", [(64, True), (256, False)])
+def test_lazy_rescale_lowers_to_a_warp_vote_per_rescale(H, causal):
+  """One vote and one branch around O's rescale per loop body (`scale_moved_rows`): the
+  sequential loop's three tile classes, with scores_ahead the last tile's two
+  classes too; none without it."""
+  for ahead, sites in ((False, 3), (True, 5)):
+    config = mf.MosaicConfig(64, 64, 2, scores_ahead=ahead)
+    lazy = _kernel_module(_lowered(H, MaskOptions(is_causal=causal),
+                                   config=dataclasses.replace(config, **LAZY)))
+    assert lazy.count("vote.sync.any") == sites
+    plain = _kernel_module(_lowered(H, MaskOptions(is_causal=causal), config=config))
+    assert "vote.sync" not in plain
+
+
 def test_interpreted_causal_persistent_grid_in_head_groups():
   """A causal persistent grid whose items go out in groups of query blocks of one head
   (`l2_group` 2 over 3 blocks: a narrower last group): 2 programs over 3 blocks x 3

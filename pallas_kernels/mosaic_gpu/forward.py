@@ -101,6 +101,11 @@ class MosaicConfig:
     S is issued (the loop without `overlap`, which does not read it); needs
     pv_in_place. The default at SCORES_AHEAD_HEAD_DIMS (faster on the H200 where the
     products dominate a tile; slower elsewhere).
+  lazy_rescale: keep a row's running max, the one its exponentials are taken against,
+    until a tile's max exceeds it by more than RESCALE_THRESHOLD, and skip the
+    rescale of O in each warp none of whose rows moved (`scale_moved_rows`). Needs
+    pv_in_place; the loop with `overlap` does not read it (and rescales every tile).
+    The default at LAZY_RESCALE_TABLE_DIMS.
   """
 
   block_q: int = 64
@@ -115,6 +120,7 @@ class MosaicConfig:
   consumer_registers: int | None = None
   l2_group: int = 1
   scores_ahead: bool = False
+  lazy_rescale: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -122,6 +128,11 @@ class MosaicConfig:
     check_l2_group(self.l2_group)
     if not isinstance(self.scores_ahead, bool):
       raise ValueError(f"scores_ahead={self.scores_ahead!r} must be a bool")
+    if not isinstance(self.lazy_rescale, bool):
+      raise ValueError(f"lazy_rescale={self.lazy_rescale!r} must be a bool")
+    if self.lazy_rescale and not self.pv_in_place:
+      raise ValueError("lazy_rescale=True skips the rescale of O in place: it needs "
+                       f"pv_in_place=True, got pv_in_place={self.pv_in_place!r}")
     if self.scores_ahead and not self.pv_in_place:
       raise ValueError("scores_ahead=True issues P V in place ahead of the next S: it "
                        f"needs pv_in_place=True, got pv_in_place={self.pv_in_place!r}")
@@ -227,6 +238,16 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
 # 577-590 TF/s). 160-240 other than 192 were not timed with it.
 SCORES_AHEAD_HEAD_DIMS = (256,)
 
+# The table entries whose default skips O's rescale where no row's max moved
+# (`lazy_rescale`): head dims 80-256. In one process each, forward TF/s against the
+# table without it (mosaic_lazy_order_h200.json): 16K d128 645.6 against 628.3, causal
+# 635.2 against 609.6; 4K d256 624.7 against 602.3, causal 567.3 against 510.6, where O
+# has 2 (d128) and 4 (d256) values per thread for each of S's. At d = 64 (one or half
+# a value per S value) it was slower: 390.7 against 433.6, causal 335.2 against 369.1,
+# as it was with the rescale after P's exponentials, and with a branch per thread in
+# place of the warp vote (mosaic_lazy_variants_h200.json).
+LAZY_RESCALE_TABLE_DIMS = (128, 256)
+
 
 # Query lengths below which the table's three consumers give way to two: a program of
 # 3 x 64 rows spreads its fixed costs (Q in, O out, the pipeline's fill) over fewer key
@@ -277,11 +298,14 @@ def smem_layout(cols: int, itemsize: int) -> dict:
 
 def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
   """The table's config for (head_dim, causal) (`table_head_dim`), with `scores_ahead`
-  at SCORES_AHEAD_HEAD_DIMS and two consumers in place of three when the query length
+  at SCORES_AHEAD_HEAD_DIMS, `lazy_rescale` on LAZY_RESCALE_TABLE_DIMS' entries and two
+  consumers in place of three when the query length
   `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
   config = _TABLE[table_head_dim(head_dim), bool(causal)]
   if head_dim in SCORES_AHEAD_HEAD_DIMS:
     config = dataclasses.replace(config, scores_ahead=True)
+  if table_head_dim(head_dim) in LAZY_RESCALE_TABLE_DIMS:
+    config = dataclasses.replace(config, lazy_rescale=True)
   if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
     return config.with_consumers(2)
   return config
@@ -377,6 +401,62 @@ def _load_vector(ref, layout, interpret):
     return plgpu.load(ref, (), layout=layout, optimized=False)   # jax 0.10: idx positional
   # optimized=False: plain loads (the optimized path reads SMEM only, in its own layouts).
   return plgpu.load(ref, layout=layout, optimized=False)
+
+
+# Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
+# result does not depend on the max its exponentials are taken against, only its range
+# does: with a stale max m' <= m the probabilities are at most 2^(m - m'). A row keeps
+# m' until a tile's max exceeds it by more than RESCALE_THRESHOLD (base-2 logits), so P
+# <= 2^8, well inside bf16, fp16 and float32, and once a row's max settles, O (a
+# [block_q, head_dim] float32 accumulator: head_dim / 2 multiplies per thread and row
+# pair, as many as the softmax's other work per element at d >= 128) is rescaled
+# only in the rare tile that moves it.
+RESCALE_THRESHOLD = 8.0
+
+
+def scale_moved_rows(acc, alpha):
+  """acc * alpha by rows (alpha is 1.0 exactly in a row whose max did not move), the
+  multiplies skipped in each warp where no row moved: a row of alpha 1.0 multiplied or
+  not is the same. The test is a warp vote (`vote.sync.any`, PTX ISA), so the branch
+  is uniform across the warp's lanes; the rows a warp holds in the accumulator layout
+  are its own (WGMMA_LAYOUT: 16 of each 64). (The interpreter, which has no in-place
+  accumulator, multiplies every row with P V's: `pv_product`.)"""
+  plgpu = _plgpu()
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout.reduce(1)),
+                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=layout))
+  def scaled(_, acc, alpha):
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    one = arith.constant(f32, 1.0)
+    moved = None               # this thread's rows: any alpha != 1 (unordered: NaN too)
+    for reg in alpha.registers.flat:
+      values = [reg]
+      if isinstance(reg.type, ir.VectorType):
+        values = [vector.extract(reg, dynamic_position=[],
+                                 static_position=ir.DenseI64ArrayAttr.get([i]))
+                  for i in range(ir.VectorType(reg.type).shape[0])]
+      for x in values:
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
+        moved = ne if moved is None else arith.ori(moved, ne)
+    any_moved = llvm.inline_asm(
+        i32, [arith.extui(i32, moved)],
+        "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+        "selp.u32 $0, 1, 0, p; }", "=r,r", has_side_effects=True)
+    regs = list(acc.registers.flat)
+    branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, any_moved, arith.constant(i32, 0)),
+                      [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      scf.yield_(list((acc * alpha.broadcast_minor(acc.shape[1])).registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(regs)
+    out = np.empty(acc.registers.shape, dtype=object)
+    out.flat[:] = list(branch.results)
+    return type(acc)(_registers=out, _layout=acc.layout, _is_signed=None)
+  return scaled(acc, alpha)
 
 
 def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
@@ -494,6 +574,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
 
   consumer_registers, producer_registers = config.register_split()
+  lazy = config.lazy_rescale and not config.overlap
 
   @pl.when(wg < C)
   def _consumer():
@@ -520,15 +601,21 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       def online_softmax(s, j, masked, m_i, l_i):
         """(P in the input dtype, the rescale factor alpha, the new row max and row sum)
         of key tile j from its raw scores s."""
-        # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft
-        # cap or a scale <= 0 is applied to s first.
-        c = scale * LOG2E
+        s, m_new, m_use, alpha = new_max(s, j, masked, m_i)
+        p16, l_i = probabilities(s, m_use, alpha, l_i)
+        return p16, alpha, m_new, l_i
+
+      # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft cap
+      # or a scale <= 0 is applied to s first (`new_max`).
+      c = LOG2E if opts.soft_cap is not None or not scale * LOG2E > 0 else scale * LOG2E
+
+      def new_max(s, j, masked, m_i):
+        """(s with the soft cap or scale and the mask applied, the new row max, the max
+        P is taken against, the rescale factor alpha) of key tile j from its raw scores."""
         if opts.soft_cap is not None:
           s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
-          c = LOG2E
-        elif not c > 0:
+        elif not scale * LOG2E > 0:
           s = s * scale
-          c = LOG2E
         if masked:
           rows = row0 + iota(0)
           cols = j * bk + iota(1)
@@ -542,11 +629,19 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
         # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        if lazy:           # the stale max stays unless passed by RESCALE_THRESHOLD
+          m_new = jnp.where(m_new > m_i + RESCALE_THRESHOLD, m_new, m_i)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
+        if lazy:           # exactly 1 where the max stayed (`scale_moved_rows`)
+          alpha = jnp.where(m_new == m_i, 1.0, alpha)
+        return s, m_new, m_use, alpha
+
+      def probabilities(s, m_use, alpha, l_i):
+        """(P in the input dtype, the new row sum) from `new_max`'s s, m_use, alpha."""
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
-        return p.astype(dtype), alpha, m_new, l_i
+        return p.astype(dtype), l_i
 
       def sequential(acc, m_i, l_i):
         """The key tiles, each consumer's products and softmax one after the other; with
@@ -579,9 +674,15 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
         def softmax_then_turn(j, s, masked, acc, m_i, l_i):
           """Tile j's softmax, then this consumer's turn at the tensor cores with V_j in."""
-          p16, alpha, m_new, l_i = online_softmax(s, j, masked, m_i, l_i)
-          if pv_in_place:    # rescale O now, under the other consumer's products
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          if lazy:           # O's rows rescaled (rarely) before P's exp2
+            s, m_new, m_use, alpha = new_max(s, j, masked, m_i)
+            if pv_in_place:  # (the interpreter's `pv_product` rescales every row)
+              acc = scale_moved_rows(acc, alpha)
+            p16, l_i = probabilities(s, m_use, alpha, l_i)
+          else:
+            p16, alpha, m_new, l_i = online_softmax(s, j, masked, m_i, l_i)
+            if pv_in_place:  # rescale O now, under the other consumer's products
+              acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           # Keep the softmax on this side of the barriers (the references found the order
           # matters for how the two consumers overlap).
           acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
