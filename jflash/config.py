@@ -123,9 +123,9 @@ class MosaicGPUConfig(BackendConfig):
       each consumer warpgroup, in place of the ping-pong between the two (correct on
       the H200 but slower there; not in the default table).
     consumers: consumer warpgroups per program, 2 or 3 (pallas_kernels/mosaic_gpu/
-      forward.py says where three run; the default has three at head_dim 80-128 from
-      THREE_CONSUMERS_MIN_SEQ query rows); setting it drops the default's ping_pong
-      and consumer_registers for the new count's own.
+      forward.py says where three run; the default has three at head_dim 80-128, and
+      up to 64 without a causal mask, from THREE_CONSUMERS_MIN_SEQ query rows); setting
+      it drops the default's ping_pong and consumer_registers for the new count's own.
     ping_pong: stagger two consumers so one's softmax runs under the other's matrix
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
@@ -136,9 +136,10 @@ class MosaicGPUConfig(BackendConfig):
     scores_ahead: issue each key tile's P V product and the next tile's S = Q K^T
       back to back, waited for together (not read with overlap; the default has it at
       head_dim 256, pallas_kernels/mosaic_gpu/forward.py).
-    lazy_rescale: keep each row's running max until a key tile's exceeds it by
-      more than 2^8 in probability, and rescale O only in warps where a row's moved
-      (FlashAttention-4's conditional rescaling; not with overlap).
+    lazy_rescale: keep each row's running max until a key tile's exceeds it by more than
+      2^8 in probability, and rescale O only in warps where a row's moved
+      (FlashAttention-4's conditional rescaling; not read with overlap; the default has
+      it from head_dim 80, pallas_kernels/mosaic_gpu/forward.py).
     backward: "auto" (default): the Mosaic GPU backward at head_dim 80-128 for grouped
       heads (GQA, MQA) and for one key head per query head from
       `jflash.mosaic_impl.MHA_MIN_SEQ` rows (`MHA_PERSISTENT_MIN_SEQ`
@@ -269,7 +270,8 @@ class MosaicGPUConfig(BackendConfig):
       named_here = {kernel: own for own, kernel in self.backward_field_names.items()}
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
                               lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
-    for name in ("persistent", "overlap", "scores_ahead", "lazy_rescale"):   # the record checks ping_pong
+    # (ping_pong: the kernel's record checks it)
+    for name in ("persistent", "overlap", "scores_ahead", "lazy_rescale"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
     # The forward's rules live with the kernel's record too: building one from the

@@ -27,7 +27,7 @@ import pytest
 
 import jflash
 from jflash import api, mosaic_impl
-from jflash.masks import Masks, kernel_records
+from jflash.masks import Masks, dense_keep_numpy, kernel_records
 from pallas_kernels.masking import MaskOperands, MaskOptions
 from pallas_kernels.mosaic_gpu import forward as mf
 from tests.attention_test_base import floor, max_err, random_qkv
@@ -128,16 +128,17 @@ def test_overriding_the_three_consumer_default_at_head_dim_128():
       mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=jflash.MosaicGPUConfig(**alone)))
 
 
-def test_short_queries_take_two_consumers_at_head_dim_128():
-  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers give way to
-  the ping-ponged two (the same tiles otherwise); the caller's own count still wins."""
-  for causal in (False, True):
-    long = mf.default_config(128, causal, mf.THREE_CONSUMERS_MIN_SEQ)
-    short = mf.default_config(128, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
+def test_short_queries_take_two_consumers():
+  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers (d = 128, and
+  d = 64 without a causal mask) give way to the ping-ponged two (the same tiles
+  otherwise); the caller's own count still wins."""
+  for H, causal in ((64, False), (128, False), (128, True)):
+    long = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ)
+    short = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
     assert (long.consumers, short.consumers, short.ping_pong) == (3, 2, True)
     assert short == long.with_consumers(2)
-    assert mf.default_config(128, causal) == long           # no length: the table's
-  assert mf.default_config(64, False, 16) == mf.default_config(64, False)
+    assert mf.default_config(H, causal) == long           # no length: the table's
+  assert mf.default_config(64, True, 16) == mf.default_config(64, True)   # two in the table
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
   cfg = jflash.prepare(q, q, q)
   assert mosaic_impl.kernel_config(q, *cfg).consumers == 2
@@ -474,25 +475,42 @@ def test_scores_ahead_is_the_default_where_it_was_faster():
 LAZY = dict(lazy_rescale=True)   # the row max moved only past RESCALE_THRESHOLD
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+def test_lazy_max_closed_forms():
+  """The stale max moves only when passed by more than RESCALE_THRESHOLD; a row that
+  saw nothing takes the new max; a NaN keeps the old one."""
+  t = mf.RESCALE_THRESHOLD
+  inf, nan = np.inf, np.nan
+  m_i = jnp.array([-inf, -inf, 0.0, 0.0, 0.0, 5.0, 0.0], jnp.float32)
+  m_new = jnp.array([-inf, 3.0, t, t + 0.5, 1.0, 5.0, nan], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(mf.lazy_max(m_i, m_new)),
+                                [-inf, 3.0, 0.0, t + 0.5, 0.0, 5.0, 0.0])
+
+
+@pytest.mark.parametrize("persistent, dtype", [(False, jnp.bfloat16), (True, jnp.bfloat16),
+                                               (False, jnp.float16)])
 @pytest.mark.parametrize("causal, window, kv_len", [
     (True, (300, 0), [0, 40, 512]),
     (False, None, [256, 0, 64])])
-def test_interpreted_lazy_rescale(persistent, causal, window, kv_len):
+def test_interpreted_lazy_rescale(persistent, dtype, causal, window, kv_len):
   """`lazy_rescale` in the tile classes of the test above, with keys from the fourth
   key tile on four times larger, so that some rows' max rises past the threshold
   (2^8 in probability) within the item and others' by less (their exponentials then
   exceed 1): the reference's output under the rule, lse to float32, fully masked rows
-  zeros; with scores_ahead too."""
+  zeros; with scores_ahead too. In fp16 (at most 65504, 2^16) a threshold far above
+  RESCALE_THRESHOLD would overflow P."""
   B, T, S = 3, 512, 512
-  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), dtype, seed=8)[:3]
   k = k.at[:, 192:].multiply(4.0)
   kv_len = jnp.asarray(kv_len, jnp.int32)
   masks = Masks(is_causal=causal, window=window, kv_lengths=kv_len)
   opts, ops = kernel_records(masks, B=B, T=T, S=S)
   logits = np.einsum("btnh,bsnh->bts", np.asarray(q, np.float64), np.asarray(k, np.float64))
-  rise = (logits[:, :, 192:].max(-1) - logits[:, :, :192].max(-1)) * 0.125 * mf.LOG2E
-  assert (rise > mf.RESCALE_THRESHOLD).any() and (rise < mf.RESCALE_THRESHOLD).any()
+  logits = np.where(dense_keep_numpy(B, 1, T, S, masks)[:, 0], logits, -np.inf)
+  first, later = logits[:, :, :192].max(-1), logits[:, :, 192:].max(-1)
+  seen = np.isfinite(first) & np.isfinite(later)      # rows with keys on both sides
+  rise = (later - first)[seen] * 0.125 * mf.LOG2E
+  assert (rise > mf.RESCALE_THRESHOLD).any()
+  assert ((rise > 0) & (rise <= mf.RESCALE_THRESHOLD)).any()
   for variant in ({}, SCORES_AHEAD):
     out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
                                 num_sms=3, config=mf.MosaicConfig(
@@ -514,8 +532,9 @@ def test_interpreted_lazy_rescale_keeps_nan_in_its_rows(where):
     k = k.at[0, 100, 0, 3].set(jnp.nan)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True,
                               config=mf.MosaicConfig(64, 64, 2, **LAZY))
-  bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
+  bad = np.isnan(np.asarray(out, np.float32)).any(-1)[0, :, 0]
   assert bad.tolist() == [where == "k" or t == 9 for t in range(64)]
+  assert np.isfinite(np.asarray(out, np.float32)[0, ~bad]).all()
   assert np.isnan(np.asarray(lse)[0, 0][bad]).all()
 
 
@@ -542,9 +561,9 @@ def test_lazy_rescale_is_the_default_where_it_was_faster(H):
 
 @pytest.mark.parametrize("H, causal", [(64, True), (256, False)])
 def test_lazy_rescale_lowers_to_a_warp_vote_per_rescale(H, causal):
-  """One vote and one branch around O's rescale per loop body (`scale_moved_rows`): the
-  sequential loop's three tile classes, with scores_ahead the last tile's two
-  classes too; none without it."""
+  """One warp vote (the branch around O's rescale hangs on it) per loop body
+  (`scale_moved_rows`): the sequential loop's three tile classes, with scores_ahead the
+  last tile's two classes too; none without it."""
   for ahead, sites in ((False, 3), (True, 5)):
     config = mf.MosaicConfig(64, 64, 2, scores_ahead=ahead)
     lazy = _kernel_module(_lowered(H, MaskOptions(is_causal=causal),

@@ -216,10 +216,14 @@ def launch_registers(consumers: int) -> int:
 # - at d = 128, three unsynchronised consumers in place of the ping-ponged two, in the
 #   same process (mosaic_sweep_consumers_h200.json): 611 against 599 TF/s at 16K
 #   (persistent), 589 against 565 causal (with 64 x 128 tiles both; 64-key tiles,
-#   0.85-0.93x cuDNN, lose). At d = 64 three were level (433 against 429) or slower
-#   (causal, 317-320 against 355); two consumers without the ping-pong were slower at
-#   d = 64 and 128 (0.92-0.94x) and level at d = 256.
-_TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True),
+#   0.85-0.93x cuDNN, lose). At d = 64 three were level then (433 against 429), and
+#   with today's kernel they win without a causal mask: 4K d64 459.4 against 418.8
+#   TF/s, cuDNN 439.5 (mosaic_d64_three_time_h200.json; 457.3 against 427.9 in the call
+#   before, mosaic_d64_three_lazy_time_h200.json); with one they are level or slower
+#   (342.0 launched, 349.7 persistent in groups of 16, against the table's 348.2);
+#   two consumers without the ping-pong were slower at d = 64 and 128 (0.92-0.94x) and
+#   level at d = 256.
+_TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
           (64, True): MosaicConfig(128, 64, 2),
           (128, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
           (128, True): MosaicConfig(64, 128, 2, consumers=3),
@@ -241,11 +245,14 @@ SCORES_AHEAD_HEAD_DIMS = (256,)
 # The table entries whose default skips O's rescale where no row's max moved
 # (`lazy_rescale`): head dims 80-256. In one process each, forward TF/s against the
 # table without it (mosaic_lazy_order_h200.json): 16K d128 645.6 against 628.3, causal
-# 635.2 against 609.6; 4K d256 624.7 against 602.3, causal 567.3 against 510.6, where O
-# has 2 (d128) and 4 (d256) values per thread for each of S's. At d = 64 (one or half
-# a value per S value) it was slower: 390.7 against 433.6, causal 335.2 against 369.1,
-# as it was with the rescale after P's exponentials, and with a branch per thread in
-# place of the warp vote (mosaic_lazy_variants_h200.json).
+# 635.2 against 609.6; 4K d256 624.7 against 602.3, causal 567.3 against 510.6. At
+# d = 64 it was slower: 390.7 against 433.6, causal 335.2 against 369.1, as it was with
+# the rescale after P's exponentials, and with a branch per thread in place of the warp
+# vote (mosaic_lazy_variants_h200.json): there the vote holds the ping-pong's "softmax
+# done" arrive, which ptxas otherwise issues ahead of the softmax, behind it (freed, the
+# arrive won back most of the loss without a causal mask, little with one), and the
+# multiplies it skips are off the critical path (mosaic_notes.md, the SASS); with three
+# unsynchronised consumers, 453.6 against 457.3 (mosaic_d64_three_lazy_time_h200.json).
 LAZY_RESCALE_TABLE_DIMS = (128, 256)
 
 
@@ -256,7 +263,9 @@ LAZY_RESCALE_TABLE_DIMS = (128, 256)
 # TF/s, where two had run 524.6 in the run before (bench_attention_h200.json at commit
 # 610024c, as are 470 and 585 below), while from 3K up three were level or faster
 # (T 3072 causal 526 against 470, 16K causal 655 against 585). With two below it, 1K
-# d128 ran 546.5 (bench_attention_h200.json).
+# d128 ran 546.5 (bench_attention_h200.json). The d = 64 entry's three (no causal mask)
+# ran 2K, 8K and 16K at 449.1, 484.7 and 495.8 TF/s against cuDNN's 419.8, 443.6 and
+# 449.5 (bench_d64_three_lengths_h200.json); below 2K they were not timed.
 THREE_CONSUMERS_MIN_SEQ = 2048
 
 
@@ -299,8 +308,8 @@ def smem_layout(cols: int, itemsize: int) -> dict:
 def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
   """The table's config for (head_dim, causal) (`table_head_dim`), with `scores_ahead`
   at SCORES_AHEAD_HEAD_DIMS, `lazy_rescale` on LAZY_RESCALE_TABLE_DIMS' entries and two
-  consumers in place of three when the query length
-  `seq_q` is below THREE_CONSUMERS_MIN_SEQ."""
+  consumers in place of three when the query length `seq_q` is below
+  THREE_CONSUMERS_MIN_SEQ."""
   config = _TABLE[table_head_dim(head_dim), bool(causal)]
   if head_dim in SCORES_AHEAD_HEAD_DIMS:
     config = dataclasses.replace(config, scores_ahead=True)
@@ -412,6 +421,14 @@ def _load_vector(ref, layout, interpret):
 # pair, as many as the softmax's other work per element at d >= 128) is rescaled
 # only in the rare tile that moves it.
 RESCALE_THRESHOLD = 8.0
+
+
+def lazy_max(m_i, m_new):
+  """The row max P is taken against under `lazy_rescale`: the stale m_i unless the
+  tile's running max m_new passes it by more than RESCALE_THRESHOLD. A row that has
+  seen nothing (m_i = -inf) takes m_new; a NaN fails the comparison and keeps m_i (its
+  exponentials and sum are NaN all the same)."""
+  return jnp.where(m_new > m_i + RESCALE_THRESHOLD, m_new, m_i)
 
 
 def scale_moved_rows(acc, alpha):
@@ -629,8 +646,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         # row may have seen nothing yet (m = -inf): 0 stands in so that exp2 never sees
         # (-inf) - (-inf). A NaN logit makes its row's sum NaN, and so its output.
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        if lazy:           # the stale max stays unless passed by RESCALE_THRESHOLD
-          m_new = jnp.where(m_new > m_i + RESCALE_THRESHOLD, m_new, m_i)
+        if lazy:
+          m_new = lazy_max(m_i, m_new)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
         if lazy:           # exactly 1 where the max stayed (`scale_moved_rows`)
