@@ -116,6 +116,13 @@ def cases():
   out.append(("off-table gqa 4/2 d48, T=200 S=500", (1, 200, 500, 4, 2, 48), bf16, {}))
   out.append(("off-table segments + soft cap d160 fp16 causal", (1, 1024, 1024, 4, 4, 160), f16,
               dict(is_causal=True, segment_ids=jnp.asarray(seg, jnp.int32), logits_soft_cap=20.0)))
+  # Rows whose max rises past the lazy rescale's threshold after O holds values
+  # (`_case_inputs`): the rescale's branch with O non-zero (d128 causal at 2048 rows:
+  # three consumers; d256: two, ping-ponged, with scores_ahead).
+  out.append(("rising logits d128 causal (keys x4 from 384)", (1, 2048, 2048, 4, 4, 128), bf16,
+              dict(is_causal=True, rising_keys=(384, 4.0))))
+  out.append(("rising logits d256 (keys x4 from 384)", (1, 1024, 1024, 4, 4, 256), bf16,
+              dict(rising_keys=(384, 4.0))))
   return out
 
 
@@ -128,10 +135,24 @@ def _inputs(shape, dtype, seed):
   return [jnp.asarray(x, dtype) for x in (q, k, v)]
 
 
+def _case_inputs(shape, dtype, seed, kw):
+  """q, k, v of a case and its jflash.attention kwargs. `rising_keys` (first, factor):
+  the keys from `first` on scaled by `factor`, so that rows' max logit rises past the
+  lazy rescale's threshold (`forward.RESCALE_THRESHOLD`) mid-row, which the standard
+  normal inputs alone do not do after a row's first tile (in a CPU replay of the MHA
+  cases' inputs no row did)."""
+  kw = dict(kw)
+  q, k, v = _inputs(shape, dtype, seed)
+  rise = kw.pop("rising_keys", None)
+  if rise is not None:
+    k = k.at[:, rise[0]:].multiply(rise[1])
+  return q, k, v, kw
+
+
 def check_case(name, shape, dtype, kw, seed, config=None):
   row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
   try:
-    q, k, v = _inputs(shape, dtype, seed)
+    q, k, v, kw = _case_inputs(shape, dtype, seed, kw)
     run = lambda impl: jax.jit(lambda q, k, v: jflash.attention(
         q, k, v, implementation=impl, return_residuals=True,
         config=config if impl == IMPL else None, **kw))(q, k, v)
@@ -465,7 +486,7 @@ def backward_cases():
 def check_backward_case(name, shape, dtype, kw, seed, fields=None):
   row = {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": False}
   try:
-    q, k, v = _inputs(shape, dtype, seed)
+    q, k, v, kw = _case_inputs(shape, dtype, seed, kw)
     do = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), dtype)
 
     def grads(impl, config=None):

@@ -6,7 +6,8 @@
 #   bash experiments/profile_h200.sh OUT [CASE ...]     # on the H200; default: every case
 #   PROFILE_TOOL=sass bash experiments/profile_h200.sh OUT [CASE ...]
 #     instead of ncu: each case compiled once with Mosaic GPU's dump of PTX, ptxas log and
-#     SASS, summarised by experiments/sass_summary.py (register reallocation, spills).
+#     SASS (through the toolkit's ptxas and cuobjdump where nvdisasm is not on the path),
+#     summarised by experiments/sass_summary.py (register reallocation, spills).
 set -uo pipefail
 out=${1:?usage: profile_h200.sh OUT [CASE ...]}; shift
 mkdir -p "$out"
@@ -21,10 +22,11 @@ declare -A CASES=(
   [fwd_d256]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only"
   # scores_ahead off at d = 256 (its default) and on at d = 64 (slower there, not yet known why)
   [fwd_d256_not_ahead]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":false}"
-  [fwd_d64_ahead]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":true}"
-  # lazy_rescale on at d = 64 (10% slower there: the SASS around its branch) and off at
-  # d = 128 (its default; 3-4% faster with it)
-  [fwd_d64_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":true}"
+  [fwd_d64_ahead]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":true,\"consumers\":2}"
+  # lazy_rescale on at d = 64 (slower there, mosaic_notes.md; two consumers, the
+  # ping-pong of sass_d64_lazy_h200.txt, where the default now has three without a
+  # causal mask) and off at d = 128 (its default; 2-3% faster with it in one process)
+  [fwd_d64_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":true,\"consumers\":2}"
   [fwd_d64_causal_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --causal --config {\"lazy_rescale\":true}"
   [fwd_d128_not_lazy]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":false}"
   [bwd_d64]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu"
@@ -40,6 +42,9 @@ sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section War
           --section LaunchStats --section Occupancy --section InstructionStats
           --section MemoryWorkloadAnalysis)
 if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
+  ptxas=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
+  cuobjdump=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
+  "$ptxas" --version >"$out/ptxas_version.txt" 2>&1
   for name in "${names[@]}"; do
     t=$SECONDS
     mkdir -p "$out/sass_$name"
@@ -47,17 +52,17 @@ if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
       $py -m experiments.profile_kernels --steps 1 ${CASES[$name]} >"$out/sass_$name.log" 2>&1
     echo "== $name: rc=$? in $(( SECONDS - t )) s"
     # Mosaic GPU writes the SASS only where nvdisasm is on PATH; otherwise the dumped PTX
-    # goes through the toolkit's ptxas and cuobjdump here.
+    # goes through the toolkit's ptxas (its version in ptxas_version.txt; the register
+    # count it reports should match the dumped .ptxas log's) and cuobjdump here.
     for ptx in "$out/sass_$name"/*.ptx; do
       [ -f "$ptx" ] && [ ! -s "${ptx%.ptx}.sass" ] || continue
-      bin=$(dirname "$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)")
-      "$bin/ptxas" -arch=sm_90a "$ptx" -o "${ptx%.ptx}.cubin" &&
-        "$bin/cuobjdump" -sass "${ptx%.ptx}.cubin" >"${ptx%.ptx}.sass"
+      "$ptxas" -arch=sm_90a -v "$ptx" -o "${ptx%.ptx}.cubin" 2>"${ptx%.ptx}.toolkit_ptxas" &&
+        "$cuobjdump" -sass "${ptx%.ptx}.cubin" >"${ptx%.ptx}.sass"
     done
     $py -m experiments.sass_summary "$out/sass_$name" | tee "$out/sass_${name}_summary.txt"
-    # keep ptxas's logs (a few hundred bytes each) and the SASS and PTX (compressed); the
-    # MLIR dumps are large
-    find "$out/sass_$name" -type f ! -name '*.ptxas' ! -name '*.sass' ! -name '*.ptx' -delete
+    # keep ptxas's logs (a few hundred bytes each) and the SASS and PTX (compressed, after
+    # the summary above read them); the MLIR dumps are large
+    find "$out/sass_$name" -type f ! -name '*ptxas' ! -name '*.sass' ! -name '*.ptx' -delete
     gzip -f "$out/sass_$name"/*.sass "$out/sass_$name"/*.ptx 2>/dev/null
   done
   exit 0

@@ -7,7 +7,8 @@ Per dumped module: ptxas's log (registers at entry, spill bytes, and its warning
 "wgmma.mma_async instructions are serialized due to insufficient register resources"
 says a warpgroup's live values did not fit the registers `setmaxnreg` gave it; C7508
 would say setmaxnreg was ignored), the PTX's launch directives and `setmaxnreg`
-counts, and, where the SASS was dumped (nvdisasm present), its register reallocations
+counts, and, where the SASS was written (by Mosaic GPU with nvdisasm on the path, or by
+profile_h200.sh through the toolkit's ptxas and cuobjdump), its register reallocations
 (`USETMAXREG`) and local-memory traffic (`LDL`/`STL`).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def summarize(directory: pathlib.Path) -> None:
   for base in bases:
     print(f"### {base.name}")
     sass = base.with_suffix(".sass")
-    if sass.exists():      # needs nvdisasm beside ptxas
+    if sass.exists():      # nvdisasm beside ptxas, or profile_h200.sh's cuobjdump
       text = sass.read_text(errors="replace")
       print("  SASS opcodes:", opcode_counts(text))
       for line in setmaxreg_lines(text)[:8]:
