@@ -417,9 +417,8 @@ def _load_vector(ref, layout, interpret):
 # does: with a stale max m' <= m the probabilities are at most 2^(m - m'). A row keeps
 # m' until a tile's max exceeds it by more than RESCALE_THRESHOLD (base-2 logits), so P
 # <= 2^8, well inside bf16, fp16 and float32, and once a row's max settles, O (a
-# [block_q, head_dim] float32 accumulator: head_dim / 2 multiplies per thread and row
-# pair, as many as the softmax's other work per element at d >= 128) is rescaled
-# only in the rare tile that moves it.
+# [block_q, head_dim] float32 accumulator) is rescaled only in the rare tile that
+# moves it.
 RESCALE_THRESHOLD = 8.0
 
 
@@ -624,14 +623,15 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
       # Base-2 logits are s * c. The row max commutes with c only for c > 0; a soft cap
       # or a scale <= 0 is applied to s first (`new_max`).
-      c = LOG2E if opts.soft_cap is not None or not scale * LOG2E > 0 else scale * LOG2E
+      scale_first = not scale * LOG2E > 0
+      c = LOG2E if opts.soft_cap is not None or scale_first else scale * LOG2E
 
       def new_max(s, j, masked, m_i):
         """(s with the soft cap or scale and the mask applied, the new row max, the max
         P is taken against, the rescale factor alpha) of key tile j from its raw scores."""
         if opts.soft_cap is not None:
           s = opts.soft_cap * jnp.tanh(s * (scale / opts.soft_cap))
-        elif not scale * LOG2E > 0:
+        elif scale_first:
           s = s * scale
         if masked:
           rows = row0 + iota(0)
@@ -691,15 +691,15 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
         def softmax_then_turn(j, s, masked, acc, m_i, l_i):
           """Tile j's softmax, then this consumer's turn at the tensor cores with V_j in."""
-          if lazy:           # O's rows rescaled (rarely) before P's exp2
-            s, m_new, m_use, alpha = new_max(s, j, masked, m_i)
-            if pv_in_place:  # (the interpreter's `pv_product` rescales every row)
-              acc = scale_moved_rows(acc, alpha)
-            p16, l_i = probabilities(s, m_use, alpha, l_i)
-          else:
-            p16, alpha, m_new, l_i = online_softmax(s, j, masked, m_i, l_i)
-            if pv_in_place:  # rescale O now, under the other consumer's products
-              acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          # With pv_in_place O is rescaled here, under the other consumer's products
+          # (the interpreter's `pv_product` rescales it): lazily, (rarely) before P's
+          # exp2, or every tile after it.
+          s, m_new, m_use, alpha = new_max(s, j, masked, m_i)
+          if pv_in_place and lazy:
+            acc = scale_moved_rows(acc, alpha)
+          p16, l_i = probabilities(s, m_use, alpha, l_i)
+          if pv_in_place and not lazy:
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           # Keep the softmax on this side of the barriers (the references found the order
           # matters for how the two consumers overlap).
           acc, l_i, m_new, p16, alpha = lax.optimization_barrier((acc, l_i, m_new, p16, alpha))
