@@ -258,25 +258,26 @@ CELLS = [  # (name, B, S, N, H)
 ]
 
 
-def time_together(fns, args_of, flops, rounds, row, check=None):
+def time_together(fns, sets_of, flops, rounds, row, check=None, round_s=0.2):
   """TF/s of every program of `fns` {label: jitted} into row["tflops"], timed together
-  (`common.time_alternating`: the same sustained load, alternating rounds of >= 0.2 s);
-  `args_of(label)` is its argument tuple. Each program's first call (its compile,
-  row["compile_s"]) goes to `check(label, out)`; a program that fails it, or fails
-  while timed, is recorded under row["errors"] (the others are still timed)."""
+  (`common.time_alternating`: the same sustained load, alternating rounds of >= round_s
+  seconds); `sets_of(label)` is its list of argument tuples, rotated from call to call.
+  Each program's first call (its compile, row["compile_s"]) goes to `check(label,
+  out)`; a program that fails it, or fails while timed, is recorded under
+  row["errors"] (the others are still timed)."""
   ok = {}
   for label, fn in fns.items():
     try:
       t0 = time.perf_counter()
-      out = block(fn(*args_of(label)))
+      out = block(fn(*sets_of(label)[0]))
       row.setdefault("compile_s", {})[label] = round(time.perf_counter() - t0, 1)
       if check is not None:
         check(label, out)
-      ok[label] = (fn, (args_of(label),), block)
+      ok[label] = (fn, sets_of(label), block)
     except Exception as e:
       row["tflops"][label] = None
       row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[:1500]
-  times = common.time_alternating(ok, rounds=rounds, round_s=0.2) if ok else {}
+  times = common.time_alternating(ok, rounds=rounds, round_s=round_s) if ok else {}
   for label, t in times.items():
     if "error" in t:
       row["tflops"][label] = None
@@ -305,19 +306,24 @@ def forward_fns(causal, peers):
   return fns
 
 
-def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
+def time_cells(rounds, sweep, peers, cells, variants=(), over_table=(), input_sets=1,
+               round_s=0.2):
   """Forward TF/s per cell of mosaic_gpu and `peers`; with `sweep` also the kernel's
   tile variants (`sweep_configs`, filtered by `variants`); `over_table`: dicts of
-  MosaicConfig fields, each timed over the table's config of the cell."""
+  MosaicConfig fields, each timed over the table's config of the cell. `input_sets`
+  (rotated from call to call) and `round_s`: as the benchmark's (`--as-benchmark`)."""
   import dataclasses
   from pallas_kernels.masking import MaskOptions
   from pallas_kernels.mosaic_gpu import forward as mf
   rows = []
   for name, B, S, N, H in CELLS:
-    if cells and not any(c in name for c in cells):
+    # `cells` selects rows by name, so "d64 causal" takes a cell's causal row alone.
+    timed = [causal for causal in (False, True) if not cells or any(
+        c in name + (" causal" if causal else "") for c in cells)]
+    if not timed:
       continue
-    q, k, v = _inputs((B, S, S, N, N, H), jnp.bfloat16, 0)
-    for causal in (False, True):
+    sets = [_inputs((B, S, S, N, N, H), jnp.bfloat16, seed) for seed in range(input_sets)]
+    for causal in timed:
       flops = 4 * B * S * S * N * H / (2 if causal else 1)
       row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "H": H,
              "causal": causal, "tflops": {}}
@@ -351,7 +357,7 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
       for label, config in configs.items():
         fns[label] = jax.jit(lambda q, k, v, config=config: mf.flash_forward(
             q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal), config=config)[0])
-      half = tuple(x.astype(jnp.float16) for x in (q, k, v))
+      half = [tuple(x.astype(jnp.float16) for x in one) for one in sets]
       ref = {}
 
       def check(impl, out):
@@ -361,8 +367,8 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=()):
         elif (sweep or over_table) and impl.startswith(IMPL) and "out" in ref:
           row.setdefault("max_diff_vs_cudnn", {})[impl] = float(
               np.abs(np.asarray(out, np.float32) - ref["out"]).max())
-      time_together(fns, lambda impl: half if "fp16" in impl else (q, k, v), flops, rounds,
-                    row, check)
+      time_together(fns, lambda impl: half if "fp16" in impl else sets, flops, rounds,
+                    row, check, round_s)
       t = row["tflops"]
       if t.get(IMPL) and t.get("cudnn"):
         row["ratio_vs_cudnn"] = round(t[IMPL] / t["cudnn"], 3)
@@ -602,19 +608,26 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
 ]
 
 
-def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas")):
+def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas"),
+                        input_sets=1, round_s=0.2):
   """fwd+bwd TFLOP/s (one jitted vjp with a fixed output cotangent) of mosaic_gpu with
   the Mosaic GPU backward (each of `variants`: MosaicGPUConfig backward fields) and of
   `peers`: "pallas", mosaic_gpu with the Triton backward, and "cudnn".
   ratio_vs_cudnn is the first variant's."""
   rows = []
   for name, B, S, N, K, H in BACKWARD_CELLS:
-    if cells and not any(c in name for c in cells):
+    # `cells` selects rows by name, so "d64 causal" takes a cell's causal row alone.
+    timed = [causal for causal in (False, True) if not cells or any(
+        c in name + (" causal" if causal else "") for c in cells)]
+    if not timed:
       continue
-    q = _inputs((B, S, S, N, K, H), jnp.bfloat16, 0)[0]
-    k, v = _inputs((B, S, S, K, K, H), jnp.bfloat16, 1)[1:]
-    do = jnp.ones_like(q)
-    for causal in (False, True):
+    sets = []
+    for seed in range(input_sets):
+      q = _inputs((B, S, S, N, K, H), jnp.bfloat16, 2 * seed)[0]
+      k, v = _inputs((B, S, S, K, K, H), jnp.bfloat16, 2 * seed + 1)[1:]
+      sets.append((q, k, v, jnp.ones_like(q)))
+    q, k, v, _ = sets[0]
+    for causal in timed:
       flops = 14 * B * S * S * N * H / (2 if causal else 1)
       row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "K": K,
              "H": H, "causal": causal, "tflops": {}}
@@ -635,7 +648,7 @@ def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas")
       if "cudnn" in peers:
         fns["cudnn"] = vjp_of(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"))
-      time_together(fns, lambda impl: (q, k, v, do), flops, rounds, row)
+      time_together(fns, lambda impl: sets, flops, rounds, row, round_s=round_s)
       t = row["tflops"]
       if t.get(first) and t.get("cudnn"):
         row["ratio_vs_cudnn"] = round(t[first] / t["cudnn"], 3)
@@ -697,6 +710,17 @@ def backward_checks(variants, only):
   return checks, left_out
 
 
+def timing_method(args) -> dict:
+  """time_cells' and time_backward_cells' input sets and round length: with
+  --as-benchmark the benchmark's (experiments/bench/specs.py: N_INPUT_SETS rotated, so
+  no call reads the previous call's inputs from L2, and rounds of ROUND_S), else one
+  input set and rounds of 0.2 s."""
+  if not args.as_benchmark:
+    return {}
+  from experiments.bench import specs
+  return dict(input_sets=specs.N_INPUT_SETS, round_s=specs.ROUND_S)
+
+
 def main_backward(args):
   # --backward-configs JSON: a list of MosaicGPUConfig backward-field dicts, each checked
   # (case names gain its label) and timed.
@@ -718,7 +742,8 @@ def main_backward(args):
     name = "mosaic_backward_check_h200"
   checks, left_out = ([], []) if args.no_check else backward_checks(variants, args.only)
   timing = [] if args.no_timing else time_backward_cells(
-      args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers)
+      args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers,
+      **timing_method(args))
   path = write_result(name, vars(args), checks, extra={"timing": timing, "left_out": left_out},
                       out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]
@@ -739,10 +764,14 @@ def main(argv=None):
   p.add_argument("--no-timing", action="store_true", help="skip the timing")
   p.add_argument("--sweep", action="store_true", help="time the kernel's tile variants too")
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--as-benchmark", action="store_true",
+                 help="time with the benchmark's rotated input sets and round length")
   p.add_argument("--only", default=None,
                  help="run only the cases whose name contains one of these (comma-separated)")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
-  p.add_argument("--cells", default="", help="comma-separated substrings of the cells to time")
+  p.add_argument("--cells", default="",
+                 help="comma-separated substrings of the rows to time (a cell's name, with "
+                 "\" causal\" for its causal row)")
   p.add_argument("--variants", default="",
                  help="with --sweep: comma-separated substrings of the variant labels to time")
   p.add_argument("--over-table", default="[]",
@@ -780,7 +809,8 @@ def main(argv=None):
   timing = [] if args.no_timing else time_cells(args.rounds, args.sweep, args.peers.split(","),
                                                    [c for c in args.cells.split(",") if c],
                                                    [v for v in args.variants.split(",") if v],
-                                                   json.loads(args.over_table))
+                                                   json.loads(args.over_table),
+                                                   **timing_method(args))
   path = write_result(args.name, vars(args), checks, extra={**result, "timing": timing},
                       out_dir=args.out_dir)
   bad = [c["name"] for c in checks if not c["ok"]]

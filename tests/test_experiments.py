@@ -451,3 +451,36 @@ def test_a_program_that_fails_while_timed_leaves_the_others_timed(monkeypatch):
   assert times["b"] == {"error": "RuntimeError: device lost"}
   assert times["a"]["rounds"] == 4
   assert common.time_alternating({}) == {}
+
+
+def test_mosaic_check_times_rows_the_benchmarks_way(monkeypatch):
+  # `--cells` selects rows by name (a cell's causal row alone), and `--as-benchmark`
+  # rotates the benchmark's input sets from call to call (no call reads the previous
+  # call's inputs from L2) in its rounds. The timed programs are stubbed: this tests the
+  # script's plumbing, not a kernel.
+  import argparse
+  import numpy as np
+  from experiments import mosaic_check
+  from experiments.bench import specs
+  method = mosaic_check.timing_method(argparse.Namespace(as_benchmark=True))
+  assert method == dict(input_sets=specs.N_INPUT_SETS, round_s=specs.ROUND_S)
+  assert mosaic_check.timing_method(argparse.Namespace(as_benchmark=False)) == {}
+  seen = {}
+
+  def stub_together(fns, sets_of, flops, rounds, row, check=None, round_s=0.2):
+    seen[row["cell"]] = (sorted(fns), len(sets_of("x")), round_s)
+  monkeypatch.setattr(mosaic_check, "time_together", stub_together)
+  monkeypatch.setattr(mosaic_check, "_inputs",
+                      lambda shape, dtype, seed: (np.full(1, seed, np.float32),) * 3)
+  monkeypatch.setattr(mosaic_check, "forward_fns", lambda causal, peers: {"cudnn": None})
+  monkeypatch.setattr(mosaic_check, "CELLS", [("4K d64", 4, 4096, 32, 64)])
+  rows = mosaic_check.time_cells(2, False, ["cudnn"], ["d64 causal"], **method)
+  assert [r["cell"] for r in rows] == ["4K d64 causal"]
+  assert seen == {"4K d64 causal": (["cudnn"], specs.N_INPUT_SETS, specs.ROUND_S)}
+  counted = []
+  rows = {"tflops": {}}
+  sets = [(np.float32(i),) for i in range(3)]
+  monkeypatch.undo()
+  mosaic_check.time_together({"f": lambda x: counted.append(float(x)) or x},
+                             lambda label: sets, 1e9, 2, rows, round_s=0.001)
+  assert set(counted) == {0.0, 1.0, 2.0} and rows["tflops"]["f"] > 0
