@@ -550,7 +550,12 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     cast = plgpu.layout_cast
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
-  num_q_blocks = items_grid[0]     # the launched grid: (query blocks, heads, batch)
+  # The launched grid: (query blocks, heads, batch). Mosaic GPU reverses a grid onto
+  # CUDA's block indices (batch is x; jax/_src/pallas/mosaic_gpu/lowering.py), and the
+  # hardware starts blocks about in linear order, x fastest (CUDA promises no order), so
+  # a causal launch goes out level by level: every (batch, head)'s heaviest block
+  # (`query_block_order`) before any's next one.
+  num_q_blocks = items_grid[0]
   block_of = query_block_order(num_q_blocks, opts)
 
   def for_each_item(item):
