@@ -484,3 +484,22 @@ def test_mosaic_check_times_rows_the_benchmarks_way(monkeypatch):
   mosaic_check.time_together({"f": lambda x: counted.append(float(x)) or x},
                              lambda label: sets, 1e9, 2, rows, round_s=0.001)
   assert set(counted) == {0.0, 1.0, 2.0} and rows["tflops"]["f"] > 0
+
+
+def test_launch_model_orders_are_the_grid_and_balance_as_stated():
+  # Every order is a permutation of the grid's programs; the head-group remap with
+  # groups of one is the grid's own order; the grid's level-by-level launch is
+  # longest-first, so it ends within 1% of the mean work (4K d64 causal), and a single
+  # round of programs then holds every (batch, head) pair it can.
+  from experiments import launch_model as lm
+  blocks, heads, batch = 16, 32, 4
+  grid = lm.grid_order(blocks, heads, batch)
+  for order in (lm.head_group_order(blocks, heads, batch, 32),
+                lm.tile_group_order(blocks, heads, batch, 4)):
+    assert sorted(order) == sorted(grid)
+  assert lm.head_group_order(blocks, heads, batch, 1) == grid
+  assert lm.imbalance(grid, blocks, 4.0) < 1.01
+  assert lm.pairs_per_round(grid) > 128 - 1
+  assert lm.pairs_per_round(lm.tile_group_order(blocks, heads, batch, 4)) == 33.0
+  # one program per multiprocessor: the launch ends with the heaviest program
+  assert lm.imbalance([(0, 0, 0)] * 3, 1, 1.0, fill=0.0, sms=3) == 1.0
