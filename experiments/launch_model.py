@@ -42,15 +42,14 @@ def head_group_order(blocks: int, heads: int, batch: int, group: int):
 
 
 def tile_group_order(blocks: int, heads: int, batch: int, group: int):
-  """The persistent grid's `l2_group` order (`item_coords`) over the launch: levels in
-  groups of `group`, the level fastest inside a group, then heads, then batch."""
-  out = []
-  for first in range(0, blocks, group):
-    width = min(group, blocks - first)
-    for b in range(batch):
-      for h in range(heads):
-        out.extend((first + t, h, b) for t in range(width))
-  return out
+  """The persistent grid's `l2_group` order over the launch, from the kernels' own
+  `item_coords`: levels in groups of `group`, the level fastest inside a group, then
+  heads, then batch."""
+  import jax.numpy as jnp
+  from pallas_kernels.mosaic_gpu.forward import item_coords
+  n = blocks * heads * batch
+  coords = item_coords(jnp.arange(n, dtype=jnp.int32), (blocks, heads, batch), True, group)
+  return list(zip(*(map(int, c) for c in coords)))
 
 
 def imbalance(order, blocks: int, tiles_per_block: float, fill: float = 3.0,

@@ -258,6 +258,14 @@ CELLS = [  # (name, B, S, N, H)
 ]
 
 
+def timed_rows(name, cells) -> list[bool]:
+  """The causal flags of cell `name`'s rows that `cells` selects: substrings of a row's
+  name (the cell's, with " causal" for its causal row, so "d64 causal" takes that row
+  alone); none: both rows."""
+  return [causal for causal in (False, True) if not cells or any(
+      c in name + (" causal" if causal else "") for c in cells)]
+
+
 def time_together(fns, sets_of, flops, rounds, row, check=None, round_s=0.2):
   """TF/s of every program of `fns` {label: jitted} into row["tflops"], timed together
   (`common.time_alternating`: the same sustained load, alternating rounds of >= round_s
@@ -317,9 +325,7 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=(), input_se
   from pallas_kernels.mosaic_gpu import forward as mf
   rows = []
   for name, B, S, N, H in CELLS:
-    # `cells` selects rows by name, so "d64 causal" takes a cell's causal row alone.
-    timed = [causal for causal in (False, True) if not cells or any(
-        c in name + (" causal" if causal else "") for c in cells)]
+    timed = timed_rows(name, cells)
     if not timed:
       continue
     sets = [_inputs((B, S, S, N, N, H), jnp.bfloat16, seed) for seed in range(input_sets)]
@@ -616,9 +622,7 @@ def time_backward_cells(rounds, cells, variants=({},), peers=("cudnn", "pallas")
   ratio_vs_cudnn is the first variant's."""
   rows = []
   for name, B, S, N, K, H in BACKWARD_CELLS:
-    # `cells` selects rows by name, so "d64 causal" takes a cell's causal row alone.
-    timed = [causal for causal in (False, True) if not cells or any(
-        c in name + (" causal" if causal else "") for c in cells)]
+    timed = timed_rows(name, cells)
     if not timed:
       continue
     sets = []
