@@ -334,7 +334,9 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=(), input_se
       row = {"cell": name + (" causal" if causal else ""), "B": B, "S": S, "N": N, "H": H,
              "causal": causal, "tflops": {}}
       fns = dict(forward_fns(causal, peers))
-      configs = {}
+      # Over-table variants run through flash_forward; so does the table's config beside
+      # them (the row's IMPL goes through jflash.attention), for a like-for-like ratio.
+      configs = {f"{IMPL} table": mf.default_config(H, causal, S)} if over_table else {}
       for fields in over_table:
         label = f"{IMPL} " + ",".join(f"{a}={b}" for a, b in fields.items())
         table = mf.default_config(H, causal, S)
@@ -343,7 +345,7 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=(), input_se
         except ValueError as e:     # not a config over this cell's table entry
           row.setdefault("not_configs", {})[label] = str(e)
           continue
-        same = [a for a, c in [(IMPL, table), *configs.items()] if c == config]
+        same = [a for a, c in configs.items() if c == config]
         if same:                    # e.g. the table's own value of the field
           row.setdefault("same_config_as", {})[label] = same[0]
         else:
@@ -401,7 +403,9 @@ def sweep_configs(H):
                                                  smem_bytes, table_head_dim)
   cands = [MosaicConfig(bq, bk, st, persistent=p) for bq, bk, st in SWEEP_TILES[table_head_dim(H)]
            for p in (False, True)]
-  two = [default_config(H, c).with_consumers(2) for c in (False, True)]  # the table may hold 3
+  # the table's configs with two consumers (it may hold 3), on the loop every variant has
+  two = [dataclasses.replace(default_config(H, c).with_consumers(2), consumer_ranges=False)
+         for c in (False, True)]
   cands += [dataclasses.replace(c, overlap=True) for c in two]
   cands += [dataclasses.replace(c, consumer_registers=240) for c in two]
   # Three consumers, unsynchronised (FlashAttention-3's choice at head_dim 64), and two

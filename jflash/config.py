@@ -123,16 +123,18 @@ class MosaicGPUConfig(BackendConfig):
       each consumer warpgroup, in place of the ping-pong between the two (correct on
       the H200 but slower there; not in the default table).
     consumers: consumer warpgroups per program, 2 or 3 (pallas_kernels/mosaic_gpu/
-      forward.py says where three run; the default has three at head_dim 80-128, and
-      up to 64 without a causal mask, from THREE_CONSUMERS_MIN_SEQ query rows); setting
+      forward.py says where three run; the default has three up to head_dim 128 from
+      THREE_CONSUMERS_MIN_SEQ query rows); setting
       it drops the default's ping_pong and consumer_registers for the new count's own.
     ping_pong: stagger two consumers so one's softmax runs under the other's matrix
       products (None: with two consumers, not with three).
     consumer_registers: registers per thread of each consumer warpgroup (a multiple of
       8; the producer warpgroup keeps the rest of the launch's pool).
-    l2_group: on a persistent grid with a causal mask, consecutive query blocks of
-      one head given to programs that run at once, so they share its K and V in L2
-      (a positive int; no other grid reads it).
+    l2_group: with a causal mask, consecutive query blocks of one head given to
+      programs that run at once, so they share its K and V in L2 (a positive int).
+    consumer_ranges: each consumer warpgroup computes only the key tiles its own rows
+      see (with a causal mask the diagonal's fully masked tiles of a program's first
+      rows are passed); not with overlap or scores_ahead.
     scores_ahead: issue each key tile's P V product and the next tile's S = Q K^T
       back to back, waited for together (not read with overlap; the default has it at
       head_dim 256, pallas_kernels/mosaic_gpu/forward.py).
@@ -219,7 +221,7 @@ class MosaicGPUConfig(BackendConfig):
   backend: ClassVar[str] = "mosaic_gpu"
   forward_fields: ClassVar[tuple[str, ...]] = (
       "block_q", "block_k", "stages", "persistent", "overlap", "consumers", "ping_pong",
-      "consumer_registers", "l2_group", "scores_ahead", "lazy_rescale")
+      "consumer_registers", "l2_group", "scores_ahead", "lazy_rescale", "consumer_ranges")
   backward_kinds: ClassVar[tuple[str, ...]] = ("auto", "pallas", "mosaic_gpu")
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
@@ -243,6 +245,7 @@ class MosaicGPUConfig(BackendConfig):
   l2_group: int | None = None
   scores_ahead: bool | None = None
   lazy_rescale: bool | None = None
+  consumer_ranges: bool | None = None
   backward: str = "auto"
   backward_block_n: int | None = None
   backward_consumers: int | None = None
@@ -271,7 +274,7 @@ class MosaicGPUConfig(BackendConfig):
       raise ValueError(re.sub(rf"\b({'|'.join(named_here)})=",
                               lambda m: f"{named_here[m.group(1)]}=", str(e))) from None
     # (ping_pong: the kernel's record checks it)
-    for name in ("persistent", "overlap", "scores_ahead", "lazy_rescale"):
+    for name in ("persistent", "overlap", "scores_ahead", "lazy_rescale", "consumer_ranges"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
     # The forward's rules live with the kernel's record too: building one from the

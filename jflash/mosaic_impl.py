@@ -52,6 +52,8 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
             if getattr(own, name) is not None}
   if "consumers" in fields:   # the table's ping-pong and registers go with its own count
     config = config.with_consumers(fields.pop("consumers"))
+  if (fields.get("overlap") or fields.get("scores_ahead")) and "consumer_ranges" not in fields:
+    config = dataclasses.replace(config, consumer_ranges=False)   # read by the other loop only
   try:
     return dataclasses.replace(config, **fields)
   except ValueError as e:

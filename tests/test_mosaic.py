@@ -93,7 +93,7 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
   cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(block_k=64, stages=3))
   assert mosaic_impl.kernel_config(q, cfg, masks) == mf.MosaicConfig(64, 64, 3, persistent=True)
   causal = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(stages=3))
-  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(128, 64, 3)
+  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(64, 128, 3, consumer_ranges=True)
   q256, k256, v256 = _qkv(256)
   big = _prepared(q256, k256, v256, config=jflash.MosaicGPUConfig(block_k=256, stages=4))
   with pytest.raises(NotImplementedError, match="shared memory"):
@@ -129,16 +129,15 @@ def test_overriding_the_three_consumer_default_at_head_dim_128():
 
 
 def test_short_queries_take_two_consumers():
-  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers (d = 128, and
-  d = 64 without a causal mask) give way to the ping-ponged two (the same tiles
-  otherwise); the caller's own count still wins."""
-  for H, causal in ((64, False), (128, False), (128, True)):
+  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers (d = 64 and
+  128) give way to the ping-ponged two (the same tiles otherwise); the caller's own
+  count still wins."""
+  for H, causal in ((64, False), (64, True), (128, False), (128, True)):
     long = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ)
     short = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
     assert (long.consumers, short.consumers, short.ping_pong) == (3, 2, True)
     assert short == long.with_consumers(2)
     assert mf.default_config(H, causal) == long           # no length: the table's
-  assert mf.default_config(64, True, 16) == mf.default_config(64, True)   # two in the table
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
   cfg = jflash.prepare(q, q, q)
   assert mosaic_impl.kernel_config(q, *cfg).consumers == 2
@@ -280,6 +279,20 @@ def test_lowers_with_every_mask_path(H, dtype):
   assert "mosaic_gpu" in _lowered(H, opts, _segments_and_lengths, dtype=dtype)
 
 
+@pytest.mark.parametrize("H, config", [
+    (64, mf.default_config(64, True)),                    # three consumers, own ranges
+    (64, mf.default_config(64, True).with_consumers(2)),  # two ping-ponged, own ranges
+    (128, dataclasses.replace(mf.default_config(128, True), consumer_ranges=False,
+                              l2_group=4))])              # the launch in head groups
+def test_lowers_with_consumer_ranges_and_launched_groups(H, config):
+  """The table's causal tiles with each consumer on its own rows' key tiles
+  (`consumer_ranges`), with segments and lengths, and the launched causal grid in head
+  groups."""
+  assert mf.default_config(H, True).consumer_ranges
+  opts = MaskOptions(is_causal=True, window=(40, 8))
+  assert "wgmma" in _kernel_module(_lowered(H, opts, _segments_and_lengths, config=config))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_under_warpgroup_semantics(causal):
   config = mf.MosaicConfig(64, 128, 2, semantics="warpgroup")
@@ -346,7 +359,8 @@ def test_register_split_reaches_the_kernel(consumer, producer):
 @pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_overlapped(H, causal):
-  config = dataclasses.replace(mf.default_config(H, causal).with_consumers(2), overlap=True)
+  config = dataclasses.replace(mf.default_config(H, causal).with_consumers(2), overlap=True,
+                               consumer_ranges=False)
   assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal), config=config)
 
 
@@ -573,19 +587,58 @@ def test_lazy_rescale_lowers_to_a_warp_vote_per_rescale(H, causal):
     assert "vote.sync" not in plain
 
 
-def test_interpreted_causal_persistent_grid_in_head_groups():
-  """A causal persistent grid whose items go out in groups of query blocks of one head
-  (`l2_group` 2 over 3 blocks: a narrower last group): 2 programs over 3 blocks x 3
-  heads of GQA 3/1, with tails; every item's output as the reference's. A bad group
-  size is refused."""
+@pytest.mark.parametrize("persistent", [True, False])
+def test_interpreted_causal_grid_in_head_groups(persistent):
+  """A causal grid whose items go out in groups of query blocks of one head (`l2_group`
+  2 over 3 blocks: a narrower last group), persistent (2 programs) or launched (the
+  groups over the launch index): 3 blocks x 3 heads of GQA 3/1, with tails; every
+  item's output as the reference's. A bad group size is refused."""
   q, k, v = random_qkv((1, 260, 250, 3, 1, 64), jnp.bfloat16, seed=6)[:3]
-  config = mf.MosaicConfig(64, 64, 2, persistent=True, l2_group=2)
+  config = mf.MosaicConfig(64, 64, 2, persistent=persistent, l2_group=2)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=True, num_sms=2)
   _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
   for bad in (0, 1.0, True):
     with pytest.raises(ValueError, match="l2_group"):
       mf.MosaicConfig(l2_group=bad)
+
+
+@pytest.mark.parametrize("variant", [{}, THREE_CONSUMERS, dict(persistent=True)])
+def test_interpreted_consumer_ranges(variant):
+  """`consumer_ranges`: each consumer computes its own rows' key tiles and passes the
+  rest of its program's. Causal with a window of 100 keys back, so that in one program
+  the first consumer passes the last tile and the second the first; key lengths 0 (an
+  item of no tile), 70 and 250; T = 260 off the program's rows (a consumer of padding
+  rows alone); two consumers ping-ponged, three unsynchronised, or slots carried
+  across the items of a persistent grid."""
+  B, T, S = 3, 260, 250
+  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
+  kv_len = jnp.asarray([0, 70, 250], jnp.int32)
+  masks = Masks(is_causal=True, window=(100, 0), kv_lengths=kv_len)
+  opts, ops = kernel_records(masks, B=B, T=T, S=S)
+  config = mf.MosaicConfig(64, 64, 2, consumer_ranges=True, **variant)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
+                              interpret=True, num_sms=2)
+  empty = _check_against_reference(q, k, v, out, lse, scale=0.125, is_causal=True,
+                                   local_window_size=(100, 0), key_value_seq_lengths=kv_len)
+  assert empty >= T            # the batch of no key at least
+
+
+def test_consumer_ranges_is_checked():
+  with pytest.raises(ValueError, match="consumer_ranges=1"):
+    mf.MosaicConfig(consumer_ranges=1)
+  for other in (dict(overlap=True), dict(scores_ahead=True)):
+    with pytest.raises(ValueError, match="consumer_ranges"):
+      mf.MosaicConfig(consumer_ranges=True, **other)
+  with pytest.raises(ValueError, match="consumer_ranges=1"):
+    jflash.MosaicGPUConfig(consumer_ranges=1)
+  # The causal table entries have it; a caller's other loop drops it, unless asked for.
+  q, k, v = _qkv(64, T=4096, S=4096)
+  for loop in (dict(overlap=True), dict(scores_ahead=True)):
+    call = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(**loop))
+    assert not mosaic_impl.kernel_config(q, *call).consumer_ranges
+    with pytest.raises(ValueError, match="consumer_ranges"):
+      jflash.MosaicGPUConfig(**loop, consumer_ranges=True)
 
 
 @pytest.mark.parametrize("sizes,l2_group", [((16, 32, 4), 4), ((5, 3, 2), 2), ((7, 3, 2), 3),

@@ -22,7 +22,9 @@ Which key tiles a block visits comes from the same per-tile schedule as the Trit
 kernels (`pallas_kernels.masking.build_ranges`, computed for the consumers * block_q
 rows the consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
 Producer and consumers read the same row of that table, so every slot barrier
-completes exactly as often as it is waited on. Logits stay in base 2 with
+completes exactly as often as it is waited on; with `consumer_ranges` a consumer
+computes only its own block_q rows' range inside it (a second table) and passes the
+others with the same barrier operations. Logits stay in base 2 with
 scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
 """
 from __future__ import annotations
@@ -92,10 +94,16 @@ class MosaicConfig:
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  l2_group: with `persistent` and a causal mask, the query blocks go to the programs
-    in groups of this many consecutive ones of one head (`item_coords`), so that
-    programs running at once share that head's K and V in L2; 1: one head per
-    program of a round. No other grid reads it.
+  l2_group: with a causal mask, the query blocks go to the programs in groups of
+    this many consecutive ones of one head (`item_coords`: over a persistent grid's
+    work items, or over the launched grid's hardware launch order), so that programs
+    running at once share that head's K and V in L2; 1: the grid's own order.
+  consumer_ranges: each consumer computes only the key tiles its own block_q rows
+    see, with their own mask classes (`build_ranges` at block_q rows), and passes the
+    rest of the program's tiles with the barrier arrivals and waits alone: with a
+    causal mask the first consumer of a program otherwise runs the diagonal's tiles
+    that only the later consumers' rows see, fully masked. Read by the loop without
+    `overlap` or `scores_ahead` (ValueError with either).
   scores_ahead: issue each tile's P V product and the next tile's S = Q K^T back to
     back and wait for both at once, where otherwise P V is waited for before the next
     S is issued (the loop without `overlap`, which does not read it); needs
@@ -121,11 +129,18 @@ class MosaicConfig:
   l2_group: int = 1
   scores_ahead: bool = False
   lazy_rescale: bool = False
+  consumer_ranges: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
       raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     check_l2_group(self.l2_group)
+    if not isinstance(self.consumer_ranges, bool):
+      raise ValueError(f"consumer_ranges={self.consumer_ranges!r} must be a bool")
+    if self.consumer_ranges and (self.overlap or self.scores_ahead):
+      raise ValueError(
+          "consumer_ranges=True is built into the loop without overlap or scores_ahead; "
+          f"got overlap={self.overlap!r}, scores_ahead={self.scores_ahead!r}")
     if not isinstance(self.scores_ahead, bool):
       raise ValueError(f"scores_ahead={self.scores_ahead!r} must be a bool")
     if not isinstance(self.lazy_rescale, bool):
@@ -174,7 +189,7 @@ class MosaicConfig:
 
 def check_l2_group(l2_group):
   """ValueError unless l2_group is a positive int. (It orders the work items of a
-  persistent grid with a causal mask, `item_coords`, and no other grid's.)"""
+  grid with a causal mask, `item_coords`.)"""
   if type(l2_group) is not int or l2_group < 1:
     raise ValueError(f"l2_group={l2_group!r} must be a positive int")
 
@@ -222,11 +237,21 @@ def launch_registers(consumers: int) -> int:
 #   before, mosaic_d64_three_lazy_time_h200.json); with one they are level or slower
 #   (342.0 launched, 349.7 persistent in groups of 16, against the table's 348.2);
 #   two consumers without the ping-pong were slower at d = 64 and 128 (0.92-0.94x) and
-#   level at d = 256.
+#   level at d = 256;
+# - with a causal mask, each consumer on its own rows' key tiles (`consumer_ranges`),
+#   in one process timed the benchmark's way (mosaic_consumer_ranges_time_h200.json,
+#   TF/s): 4K d64 three consumers of 64 rows on 128-key tiles 382.6 against the
+#   previous entry's 346.6 (two of 128 rows on 64-key tiles; 346.3 with it) and cuDNN's
+#   372.0 (with 64-key tiles 307.4); 4K d96 on d = 128's entry 447.8 against 427.9
+#   (cuDNN 339.4); 16K d128 609.6 against 607.3-622.2 (the entry twice, level). A
+#   program's earlier consumers otherwise compute the diagonal's key tiles that only
+#   its later consumers' rows see, fully masked (2.8% of the consumers' tiles at 4K
+#   with 192-row programs, 0.8% at 16K), and every consumer masks element-wise each
+#   tile the program's rows cross the diagonal in, where its own rows cross fewer.
 _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
-          (64, True): MosaicConfig(128, 64, 2),
+          (64, True): MosaicConfig(64, 128, 2, consumers=3, consumer_ranges=True),
           (128, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
-          (128, True): MosaicConfig(64, 128, 2, consumers=3),
+          (128, True): MosaicConfig(64, 128, 2, consumers=3, consumer_ranges=True),
           (256, False): MosaicConfig(64, 64, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
 
@@ -265,7 +290,8 @@ LAZY_RESCALE_TABLE_DIMS = (128, 256)
 # (T 3072 causal 526 against 470, 16K causal 655 against 585). With two below it, 1K
 # d128 ran 546.5 (bench_attention_h200.json). The d = 64 entry's three (no causal mask)
 # ran 2K, 8K and 16K at 449.1, 484.7 and 495.8 TF/s against cuDNN's 419.8, 443.6 and
-# 449.5 (bench_d64_three_lengths_h200.json); below 2K they were not timed.
+# 449.5 (bench_d64_three_lengths_h200.json); below 2K they were not timed, nor were the
+# causal d = 64 entry's three (timed at 4K) at other lengths.
 THREE_CONSUMERS_MIN_SEQ = 2048
 
 
@@ -564,6 +590,13 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     for the first item), so every warpgroup derives the same slot and barrier phase for
     each tile. Returns the count after the last item."""
     if num_ctas is None:     # one item per program
+      if opts.is_causal and config.l2_group > 1:
+        # `item_coords`'s groups over the hardware's launch index (batch fastest)
+        B, N = items_grid[2], items_grid[1]
+        launch = lax.axis_index("batch") + B * (lax.axis_index("heads")
+                                                + N * lax.axis_index("q"))
+        level, head, batch = item_coords(launch, items_grid, True, config.l2_group)
+        return item((block_of(level), head, batch), None)
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None)
     # persistent: this program's items from `item_schedule`
@@ -593,6 +626,15 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   def tile_range(i, b):
     ranges = r["ranges"]
     return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
+
+  def own_tile_range(i, b, lo, hi):
+    """(lo, full_lo, full_hi, hi) of this consumer's own rows (`consumer_ranges`),
+    clamped into the program's [lo, hi), whose tiles the producer streams."""
+    own, row = r["own_ranges"], i * C + wg
+    a = jnp.clip(own[b, row, 0], lo, hi)
+    d = jnp.clip(own[b, row, 3], a, hi)
+    full_lo = jnp.clip(own[b, row, 1], a, d)
+    return a, full_lo, jnp.clip(own[b, row, 2], full_lo, d), d
 
   consumer_registers, producer_registers = config.register_split()
   lazy = config.lazy_rescale and not config.overlap
@@ -673,8 +715,13 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         to back and waited for together, so the tensor cores go from one to the other
         without the wait for P V, the loop's turn and a new issue between them; tile j's
         S is then computed in tile j - 1's step and reaches tile j through the carry."""
-        # The tile classes: masked, unmasked, masked (`build_ranges`).
+        # The tile classes: masked, unmasked, masked (`build_ranges`); with
+        # `consumer_ranges` this consumer's own, between tiles it passes (None).
         classes = ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
+        if config.consumer_ranges:
+          own = own_tile_range(i, b, lo, hi)
+          classes = ((lo, own[0], None), (own[0], own[1], True), (own[1], own[2], False),
+                     (own[2], own[3], True), (own[3], hi, None))
         zero_scores = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
 
         def issue_scores(s_ref, j):
@@ -746,6 +793,19 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
           return acc, m_new, l_i
 
+        def pass_tile(j, carry):
+          """Tile j outside this consumer's rows' range: `body`'s barrier arrivals and
+          waits in `body`'s order and nothing else, so that the slots' consumed
+          barriers and the ping-pong's schedule barrier complete as for a computed tile."""
+          schedule_turn()
+          plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+          schedule_arrive()
+          plgpu.barrier_wait(v_loaded.at[slot_of(j)])
+          schedule_wait()
+          wait_k(j + 1)
+          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          return carry
+
         def body_ahead(j, carry, masked):
           """Tile j < hi - 1 with its S in the carry; returns tile j + 1's."""
           acc, m_i, l_i, s = carry
@@ -780,7 +840,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         if not config.scores_ahead:
           carry = (acc, m_i, l_i)
           for a, z, masked in classes:
-            carry = lax.fori_loop(a, z, functools.partial(body, masked=masked), carry)
+            step = pass_tile if masked is None else functools.partial(body, masked=masked)
+            carry = lax.fori_loop(a, z, step, carry)
         else:
           def first():
             plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
@@ -969,12 +1030,16 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   T_map, S_map = map_rows(T, rows_per_program, interpret), map_rows(S, bk, interpret)
   qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
+  own = {}
+  if config.consumer_ranges:     # a row per consumer's block_q rows, empty past T
+    own_ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
+    own = {"own_ranges": pad_axis(own_ranges, Tp // bq, 1)}
   seg = {}
   if ops.q_segment_ids is not None:
     # Read by plain loads, which nothing bounds: padded with ids that match nothing.
     seg = {"q_seg": pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"]),
            "kv_seg": pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])}
-  in_names = ["q", "k", "v", "ranges", *seg]
+  in_names = ["q", "k", "v", "ranges", *own, *seg]
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
@@ -1020,7 +1085,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       thread_name="wg",
       compiler_params=compiler_params(config.semantics),
       **extra,
-  )(qp, kp, vp, ranges, *seg.values())
+  )(qp, kp, vp, ranges, *own.values(), *seg.values())
   # XLA's dynamic-slice fusion (jax 0.11) folds a dynamic-update-slice of a custom
   # call's result (a scan stacking this output as a residual for the backward) into a
   # fusion around the call, and keeps the original call for the output's other users:
