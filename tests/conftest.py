@@ -28,6 +28,60 @@ _own_flags = os.environ.get("XLA_FLAGS", "")    # a flag set there keeps its val
 os.environ["XLA_FLAGS"] = " ".join(
     [_own_flags, *(f for f in XLA_TEST_FLAGS if f.split("=")[0] not in _own_flags)]).strip()
 
+
+
+def _compile_each_interpreted_program_once():
+  """Mosaic GPU's interpreter (jax 0.10) runs each warpgroup and program of a kernel as
+  a thread that lowers and compiles the same jaxpr for itself (`thread_map._run_jaxpr`):
+  one call of a kernel with 3 warpgroups on 3 programs compiled its program 9 times,
+  about 1.4 s each, most of an interpreted test's time. Here the threads of one
+  thread_map (one jaxpr object) share one executable: the first compiles, the others
+  wait for it (6.0 s -> 1.4 s for that call). Each thread still runs it with its own
+  arguments, as before. Left alone where the interpreter's function is not the one
+  this replaces."""
+  import collections
+  import inspect
+  import threading
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map
+  except ImportError:
+    return
+  original = getattr(thread_map, "_run_jaxpr", None)
+  if original is None or list(inspect.signature(original).parameters) != ["jaxpr", "consts", "args"]:
+    return
+  import jax
+  from jax._src import core as jax_core
+
+  def run(jaxpr, consts, *args):
+    jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+  lock = threading.Lock()
+  executables = collections.OrderedDict()   # id(jaxpr) -> [jaxpr, compiled Event, executable]
+
+  def run_jaxpr(jaxpr, consts, *args):
+    with lock:
+      entry = executables.get(id(jaxpr))
+      first = entry is None or entry[0] is not jaxpr
+      if first:
+        entry = executables[id(jaxpr)] = [jaxpr, threading.Event(), None]
+        while len(executables) > 16:      # recent ones only: each holds an executable
+          executables.popitem(last=False)
+    if first:
+      try:
+        entry[2] = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+      finally:
+        entry[1].set()
+    else:
+      entry[1].wait()
+    if entry[2] is None:
+      raise RuntimeError("the interpreted program failed to compile in another thread")
+    entry[2](consts, *args)
+
+  thread_map._run_jaxpr = run_jaxpr
+
+
+_compile_each_interpreted_program_once()
+
 # The repository root on sys.path so tests can import `tests.*` and `experiments.*`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -434,27 +434,34 @@ def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant)
                            is_causal=causal)
 
 
+# Masks whose items at T = S = 320 (64-key tiles, programs of 128 rows: 9 items) hold
+# every tile class: (causal, window, key lengths of the three batches).
+TILE_CLASS_T = 320
+TILE_CLASS_MASKS = [
+    (True, (150, 0), [0, 40, 320]),        # lo > 0, masked, full, masked tiles; no tile
+    (False, None, [256, 0, 64])]           # a FULL last tile; an item of one FULL tile
+
+
 @pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("causal, window, kv_len", [
-    (True, (300, 0), [0, 40, 512]),        # lo > 0, full tiles, masked tiles on both sides
-    (False, None, [256, 0, 64])])          # a FULL last tile; an item of one FULL tile
+@pytest.mark.parametrize("causal, window, kv_len", TILE_CLASS_MASKS)
 def test_interpreted_scores_ahead_in_every_tile_class(persistent, causal, window, kv_len):
   """`scores_ahead` carries each tile's S into the next tile's step and takes the last
   tile (P V alone) by its class: items of no key tile (key length 0), of one, and of
-  several whose loops start past tile 0 and run masked, unmasked and masked tiles (T =
-  S = 512 in 64-key tiles, programs of 128 rows: 12 items, on 3 programs when
-  persistent). The output equals the loop without it to the bit, and the reference
-  under the rule; fully masked rows give zeros."""
-  B, T, S = 3, 512, 512
-  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=7)[:3]
+  several whose loops start past tile 0 and run masked, unmasked and masked tiles
+  (TILE_CLASS_MASKS; on 3 programs when persistent). The output equals the loop
+  without it to the bit, and the reference under the rule; fully masked rows give
+  zeros."""
+  B, T = 3, TILE_CLASS_T
+  q, k, v = random_qkv((B, T, T, 1, 1, 64), jnp.bfloat16, seed=7)[:3]
   kv_len = jnp.asarray(kv_len, jnp.int32)
   masks = Masks(is_causal=causal, window=window, kv_lengths=kv_len)
-  opts, ops = kernel_records(masks, B=B, T=T, S=S)
-  without, ahead = [mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
-                                     num_sms=3, config=mf.MosaicConfig(
-                                         64, 64, 2, persistent=persistent, scores_ahead=a))
-                    for a in (False, True)]
-  for x, y in zip(without, ahead):
+  opts, ops = kernel_records(masks, B=B, T=T, S=T)
+  run = lambda ahead: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops,
+                                       interpret=True, num_sms=3, config=mf.MosaicConfig(
+                                           64, 64, 2, persistent=persistent,
+                                           scores_ahead=ahead))
+  ahead = run(True)
+  for x, y in zip(run(False), ahead):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   empty = _check_against_reference(q, k, v, *ahead, scale=0.125, is_causal=causal,
                                    local_window_size=window, key_value_seq_lengths=kv_len)
@@ -501,9 +508,8 @@ def test_lazy_max_closed_forms():
 
 
 @pytest.mark.parametrize("persistent, dtype, causal, window, kv_len", [
-    (persistent, jnp.bfloat16, *mask) for persistent in (False, True) for mask in (
-        (True, (300, 0), [0, 40, 512]), (False, None, [256, 0, 64]))] + [
-    (False, jnp.float16, True, (300, 0), [0, 40, 512])])
+    (persistent, jnp.bfloat16, *mask) for persistent in (False, True)
+    for mask in TILE_CLASS_MASKS] + [(False, jnp.float16, *TILE_CLASS_MASKS[0])])
 def test_interpreted_lazy_rescale(persistent, dtype, causal, window, kv_len):
   """`lazy_rescale` in the tile classes of the test above, with keys from the fourth
   key tile on four times larger, so that some rows' max rises past the threshold
@@ -512,7 +518,7 @@ def test_interpreted_lazy_rescale(persistent, dtype, causal, window, kv_len):
   zeros; on the persistent grid with scores_ahead too (the loop the launched grid runs
   once per program). In fp16 (at most 65504, 2^16) a threshold far above
   RESCALE_THRESHOLD would overflow P (one case, without scores_ahead)."""
-  B, T, S = 3, 512, 512
+  B, T, S = 3, TILE_CLASS_T, TILE_CLASS_T
   q, k, v = random_qkv((B, T, S, 1, 1, 64), dtype, seed=8)[:3]
   k = k.at[:, 192:].multiply(4.0)
   kv_len = jnp.asarray(kv_len, jnp.int32)
