@@ -609,24 +609,36 @@ def test_interpreted_causal_grid_in_head_groups(persistent):
       mf.MosaicConfig(l2_group=bad)
 
 
-@pytest.mark.parametrize("variant", [{}, THREE_CONSUMERS, dict(persistent=True)])
-def test_interpreted_consumer_ranges(variant):
+@pytest.mark.parametrize("variant, segments", [({}, False), (THREE_CONSUMERS, False),
+                                               (dict(persistent=True), False), ({}, True)])
+def test_interpreted_consumer_ranges(variant, segments):
   """`consumer_ranges`: each consumer computes its own rows' key tiles and passes the
   rest of its program's. Causal with a window of 100 keys back, so that in one program
   the first consumer passes the last tile and the second the first; key lengths 0 (an
   item of no tile), 70 and 250; T = 260 off the program's rows (a consumer of padding
   rows alone); two consumers ping-ponged, three unsynchronised, or slots carried
-  across the items of a persistent grid."""
+  across the items of a persistent grid; or segments of 100 rows in place of the
+  window (the own ranges from the data-dependent schedule). The output equals the
+  program-wide ranges' to the bit (a passed tile is fully masked for the consumer, a
+  tile run without the element-wise mask has none to apply), and the reference's
+  under the rule."""
   B, T, S = 3, 260, 250
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
   kv_len = jnp.asarray([0, 70, 250], jnp.int32)
-  masks = Masks(is_causal=True, window=(100, 0), kv_lengths=kv_len)
+  ids = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 100, (B, n))
+  mask_kw = (dict(segment_ids=(ids(T), ids(S))) if segments
+             else dict(local_window_size=(100, 0)))
+  masks = (Masks(is_causal=True, kv_lengths=kv_len, q_segment_ids=ids(T), kv_segment_ids=ids(S))
+           if segments else Masks(is_causal=True, window=(100, 0), kv_lengths=kv_len))
   opts, ops = kernel_records(masks, B=B, T=T, S=S)
-  config = mf.MosaicConfig(64, 64, 2, consumer_ranges=True, **variant)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
-                              interpret=True, num_sms=2)
+  run = lambda own: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
+                                     num_sms=2, config=mf.MosaicConfig(
+                                         64, 64, 2, consumer_ranges=own, **variant))
+  out, lse = run(True)
+  for x, y in zip(run(False), (out, lse)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   empty = _check_against_reference(q, k, v, out, lse, scale=0.125, is_causal=True,
-                                   local_window_size=(100, 0), key_value_seq_lengths=kv_len)
+                                   key_value_seq_lengths=kv_len, **mask_kw)
   assert empty >= T            # the batch of no key at least
 
 
