@@ -133,8 +133,10 @@ class MosaicGPUConfig(BackendConfig):
     l2_group: with a causal mask, consecutive query blocks of one head given to
       programs that run at once, so they share its K and V in L2 (a positive int).
     consumer_ranges: each consumer warpgroup computes only the key tiles its own rows
-      see (with a causal mask the diagonal's fully masked tiles of a program's first
-      rows are passed); not with overlap or scores_ahead.
+      see (with a causal mask, not the diagonal's tiles fully masked for its rows);
+      not with overlap or scores_ahead (setting either drops the default's, which has
+      it with a causal mask up to head_dim 128; setting it drops the default's
+      scores_ahead).
     scores_ahead: issue each key tile's P V product and the next tile's S = Q K^T
       back to back, waited for together (not read with overlap; the default has it at
       head_dim 256, pallas_kernels/mosaic_gpu/forward.py).

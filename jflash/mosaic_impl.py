@@ -52,8 +52,11 @@ def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
             if getattr(own, name) is not None}
   if "consumers" in fields:   # the table's ping-pong and registers go with its own count
     config = config.with_consumers(fields.pop("consumers"))
+  # A loop the caller picks drops the table's choice the other loop alone reads.
   if (fields.get("overlap") or fields.get("scores_ahead")) and "consumer_ranges" not in fields:
-    config = dataclasses.replace(config, consumer_ranges=False)   # read by the other loop only
+    config = dataclasses.replace(config, consumer_ranges=False)
+  if fields.get("consumer_ranges") and "scores_ahead" not in fields:
+    config = dataclasses.replace(config, scores_ahead=False)
   try:
     return dataclasses.replace(config, **fields)
   except ValueError as e:

@@ -34,11 +34,10 @@ def _compile_each_interpreted_program_once():
   """Mosaic GPU's interpreter (jax 0.10) runs each warpgroup and program of a kernel as
   a thread that lowers and compiles the same jaxpr for itself (`thread_map._run_jaxpr`):
   one call of a kernel with 3 warpgroups on 3 programs compiled its program 9 times,
-  about 1.4 s each, most of an interpreted test's time. Here the threads of one
-  thread_map (one jaxpr object) share one executable: the first compiles, the others
-  wait for it (6.0 s -> 1.4 s for that call). Each thread still runs it with its own
-  arguments, as before. Left alone where the interpreter's function is not the one
-  this replaces."""
+  about 1.4 s each, most of an interpreted test's time. Here every thread given the
+  same jaxpr object shares one executable: the first compiles, the others wait for it
+  (6.0 s -> 1.4 s for that call). Each thread still runs it with its own arguments, as
+  before. Left alone unless the interpreter's function is the one this replaces."""
   import collections
   import inspect
   import threading
@@ -47,7 +46,14 @@ def _compile_each_interpreted_program_once():
   except ImportError:
     return
   original = getattr(thread_map, "_run_jaxpr", None)
-  if original is None or list(inspect.signature(original).parameters) != ["jaxpr", "consts", "args"]:
+  try:
+    source = inspect.getsource(original)
+  except (TypeError, OSError):
+    return
+  if not all(line in source for line in (
+      "def _run_jaxpr(jaxpr, consts, *args):",
+      "traced = jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args)",
+      "traced.lower().compile()(consts, *args)")):
     return
   import jax
   from jax._src import core as jax_core
@@ -56,7 +62,8 @@ def _compile_each_interpreted_program_once():
     jax_core.eval_jaxpr(jaxpr, consts, *args)
 
   lock = threading.Lock()
-  executables = collections.OrderedDict()   # id(jaxpr) -> [jaxpr, compiled Event, executable]
+  # id(jaxpr) -> [jaxpr, Event set once compiled, executable]; the 16 latest compiled
+  executables = collections.OrderedDict()
 
   def run_jaxpr(jaxpr, consts, *args):
     with lock:
@@ -64,11 +71,16 @@ def _compile_each_interpreted_program_once():
       first = entry is None or entry[0] is not jaxpr
       if first:
         entry = executables[id(jaxpr)] = [jaxpr, threading.Event(), None]
-        while len(executables) > 16:      # recent ones only: each holds an executable
+        while len(executables) > 16:
           executables.popitem(last=False)
     if first:
       try:
         entry[2] = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+      except BaseException:
+        with lock:              # the next call compiles again and raises its own error
+          if executables.get(id(jaxpr)) is entry:
+            del executables[id(jaxpr)]
+        raise
       finally:
         entry[1].set()
     else:

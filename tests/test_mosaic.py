@@ -93,7 +93,7 @@ def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
   cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(block_k=64, stages=3))
   assert mosaic_impl.kernel_config(q, cfg, masks) == mf.MosaicConfig(64, 64, 3, persistent=True)
   causal = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(stages=3))
-  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(64, 128, 3, consumer_ranges=True)
+  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(128, 64, 3, consumer_ranges=True)
   q256, k256, v256 = _qkv(256)
   big = _prepared(q256, k256, v256, config=jflash.MosaicGPUConfig(block_k=256, stages=4))
   with pytest.raises(NotImplementedError, match="shared memory"):
@@ -130,14 +130,16 @@ def test_overriding_the_three_consumer_default_at_head_dim_128():
 
 def test_short_queries_take_two_consumers():
   """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers (d = 64 and
-  128) give way to the ping-ponged two (the same tiles otherwise); the caller's own
-  count still wins."""
+  128) give way to the ping-ponged two, on the same tiles or TWO_CONSUMER_ENTRIES';
+  the caller's own count still wins."""
   for H, causal in ((64, False), (64, True), (128, False), (128, True)):
     long = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ)
     short = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
     assert (long.consumers, short.consumers, short.ping_pong) == (3, 2, True)
-    assert short == long.with_consumers(2)
+    own = mf.TWO_CONSUMER_ENTRIES.get((H, causal))
+    assert short == (own or long.with_consumers(2))
     assert mf.default_config(H, causal) == long           # no length: the table's
+  assert mf.default_config(64, True, 1024) == mf.MosaicConfig(128, 64, 2, consumer_ranges=True)
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
   cfg = jflash.prepare(q, q, q)
   assert mosaic_impl.kernel_config(q, *cfg).consumers == 2
@@ -281,14 +283,14 @@ def test_lowers_with_every_mask_path(H, dtype):
 
 @pytest.mark.parametrize("H, config", [
     (64, mf.default_config(64, True)),                    # three consumers, own ranges
-    (64, mf.default_config(64, True).with_consumers(2)),  # two ping-ponged, own ranges
+    (64, mf.default_config(64, True, 1024)),              # two ping-ponged, own ranges
+    (128, mf.default_config(128, True)),                  # three, lazy rescale, own ranges
     (128, dataclasses.replace(mf.default_config(128, True), consumer_ranges=False,
                               l2_group=4))])              # the launch in head groups
 def test_lowers_with_consumer_ranges_and_launched_groups(H, config):
-  """The table's causal tiles with each consumer on its own rows' key tiles
+  """The table's causal configs, each consumer on its own rows' key tiles
   (`consumer_ranges`), with segments and lengths, and the launched causal grid in head
   groups."""
-  assert mf.default_config(H, True).consumer_ranges
   opts = MaskOptions(is_causal=True, window=(40, 8))
   assert "wgmma" in _kernel_module(_lowered(H, opts, _segments_and_lengths, config=config))
 
@@ -628,9 +630,8 @@ def test_interpreted_consumer_ranges(variant, segments):
   ids = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 100, (B, n))
   mask_kw = (dict(segment_ids=(ids(T), ids(S))) if segments
              else dict(local_window_size=(100, 0)))
-  masks = (Masks(is_causal=True, kv_lengths=kv_len, q_segment_ids=ids(T), kv_segment_ids=ids(S))
-           if segments else Masks(is_causal=True, window=(100, 0), kv_lengths=kv_len))
-  opts, ops = kernel_records(masks, B=B, T=T, S=S)
+  opts, ops = kernel_records(_prepared(q, k, v, is_causal=True, key_value_seq_lengths=kv_len,
+                                       **mask_kw)[1], B=B, T=T, S=S)
   run = lambda own: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
                                      num_sms=2, config=mf.MosaicConfig(
                                          64, 64, 2, consumer_ranges=own, **variant))
@@ -650,13 +651,19 @@ def test_consumer_ranges_is_checked():
       mf.MosaicConfig(consumer_ranges=True, **other)
   with pytest.raises(ValueError, match="consumer_ranges=1"):
     jflash.MosaicGPUConfig(consumer_ranges=1)
-  # The causal table entries have it; a caller's other loop drops it, unless asked for.
+  # The causal table entries up to d = 128 have it; a caller's other loop drops it, and
+  # a caller's consumer_ranges the table's scores_ahead (d = 256).
+  assert [H for H in mf.TABLE_HEAD_DIMS if mf.default_config(H, True).consumer_ranges] == [64, 128]
   q, k, v = _qkv(64, T=4096, S=4096)
   for loop in (dict(overlap=True), dict(scores_ahead=True)):
     call = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(**loop))
     assert not mosaic_impl.kernel_config(q, *call).consumer_ranges
     with pytest.raises(ValueError, match="consumer_ranges"):
       jflash.MosaicGPUConfig(**loop, consumer_ranges=True)
+  q, k, v = _qkv(256, T=4096, S=4096)
+  call = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(consumer_ranges=True))
+  config = mosaic_impl.kernel_config(q, *call)
+  assert config.consumer_ranges and not config.scores_ahead
 
 
 @pytest.mark.parametrize("sizes,l2_group", [((16, 32, 4), 4), ((5, 3, 2), 2), ((7, 3, 2), 3),

@@ -23,8 +23,8 @@ kernels (`pallas_kernels.masking.build_ranges`, computed for the consumers * blo
 rows the consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
 Producer and consumers read the same row of that table, so every slot barrier
 completes exactly as often as it is waited on; with `consumer_ranges` a consumer
-computes only its own block_q rows' range inside it (a second table) and passes the
-others with the same barrier operations. Logits stay in base 2 with
+computes only its own block_q rows' range inside it (a second table) and idles through
+the others with the same barrier operations. Logits stay in base 2 with
 scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
 """
 from __future__ import annotations
@@ -99,10 +99,10 @@ class MosaicConfig:
     work items, or over the launched grid's hardware launch order), so that programs
     running at once share that head's K and V in L2; 1: the grid's own order.
   consumer_ranges: each consumer computes only the key tiles its own block_q rows
-    see, with their own mask classes (`build_ranges` at block_q rows), and passes the
-    rest of the program's tiles with the barrier arrivals and waits alone: with a
-    causal mask the first consumer of a program otherwise runs the diagonal's tiles
-    that only the later consumers' rows see, fully masked. Read by the loop without
+    see, with their own mask classes (`build_ranges` at block_q rows), and idles
+    through the rest of the program's tiles with the barrier arrivals and waits alone:
+    with a causal mask a program's earlier consumers otherwise compute the diagonal's
+    tiles that only its later consumers' rows see, fully masked. Read by the loop without
     `overlap` or `scores_ahead` (ValueError with either).
   scores_ahead: issue each tile's P V product and the next tile's S = Q K^T back to
     back and wait for both at once, where otherwise P V is waited for before the next
@@ -226,8 +226,9 @@ def launch_registers(consumers: int) -> int:
 # - key tiles of 128 at d <= 128: 64 was slower in every cell (0.71-0.89x), 192 level
 #   at best (16K d128 persistent 607 against 604 TF/s) and slower elsewhere; 64 at
 #   d = 256, where a 128-row K and V slot pair alone would take 128 KiB of the 227 KiB;
-#   at d = 64 causal, 128 query rows per consumer with key tiles of 64 (0.92x against
-#   0.87x): twice the rows per barrier round trip, the same 64 x 64 S tile in registers;
+#   at d = 64 causal with two consumers, 128 query rows each with key tiles of 64 (0.92x
+#   against 0.87x): twice the rows per barrier round trip, the same 64 x 64 S tile in
+#   registers (the entry below 2048 query rows, `TWO_CONSUMER_ENTRIES`);
 # - at d = 128, three unsynchronised consumers in place of the ping-ponged two, in the
 #   same process (mosaic_sweep_consumers_h200.json): 611 against 599 TF/s at 16K
 #   (persistent), 589 against 565 causal (with 64 x 128 tiles both; 64-key tiles,
@@ -254,6 +255,13 @@ _TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
           (128, True): MosaicConfig(64, 128, 2, consumers=3, consumer_ranges=True),
           (256, False): MosaicConfig(64, 64, 2, persistent=True),
           (256, True): MosaicConfig(64, 64, 2)}
+
+# Below THREE_CONSUMERS_MIN_SEQ query rows, two-consumer entries on other tiles than
+# the three's: d = 64 causal on its entry before three consumers took it (two of 128
+# rows on 64-key tiles, from the tile sweep above), with `consumer_ranges` (level with
+# it at 4K: 346.3 against 346.6 TF/s, mosaic_consumer_ranges_time_h200.json); the
+# three's 64 x 128 tiles were not timed with two consumers there.
+TWO_CONSUMER_ENTRIES = {(64, True): MosaicConfig(128, 64, 2, consumer_ranges=True)}
 
 # The head dims whose default issues each P V with the next tile's S (`scores_ahead`).
 # At d = 256, in one process (mosaic_scores_ahead_time_h200.json): 593.8 against 580.6
@@ -335,14 +343,16 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
   """The table's config for (head_dim, causal) (`table_head_dim`), with `scores_ahead`
   at SCORES_AHEAD_HEAD_DIMS, `lazy_rescale` on LAZY_RESCALE_TABLE_DIMS' entries and two
   consumers in place of three when the query length `seq_q` is below
-  THREE_CONSUMERS_MIN_SEQ."""
-  config = _TABLE[table_head_dim(head_dim), bool(causal)]
+  THREE_CONSUMERS_MIN_SEQ (TWO_CONSUMER_ENTRIES' tiles where it has the entry, else
+  the same tiles)."""
+  key = table_head_dim(head_dim), bool(causal)
+  config = _TABLE[key]
+  if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
+    config = TWO_CONSUMER_ENTRIES.get(key) or config.with_consumers(2)
   if head_dim in SCORES_AHEAD_HEAD_DIMS:
     config = dataclasses.replace(config, scores_ahead=True)
-  if table_head_dim(head_dim) in LAZY_RESCALE_TABLE_DIMS:
+  if key[0] in LAZY_RESCALE_TABLE_DIMS:
     config = dataclasses.replace(config, lazy_rescale=True)
-  if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
-    return config.with_consumers(2)
   return config
 
 
@@ -522,7 +532,8 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
 
 def item_coords(w, sizes, causal: bool, l2_group: int = 1):
   """The grid coordinates of work item w of a persistent program (the forward's and
-  both backward kernels') over a grid of `sizes` (tiles, then heads, ..., batch).
+  both backward kernels'), or of the forward's launched causal program at launch index
+  w with `l2_group`, over a grid of `sizes` (tiles, then heads, ..., batch).
   Without a causal mask the tiles are the fastest axis: programs running at once read
   the same head's streamed tiles (shared through L2). With one, items differ in cost
   (a key tile's work falls with its index, a query block's rises), so the tiles are
@@ -716,12 +727,12 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         without the wait for P V, the loop's turn and a new issue between them; tile j's
         S is then computed in tile j - 1's step and reaches tile j through the carry."""
         # The tile classes: masked, unmasked, masked (`build_ranges`); with
-        # `consumer_ranges` this consumer's own, between tiles it passes (None).
+        # `consumer_ranges` this consumer's own, between tiles it idles through (None).
         classes = ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
         if config.consumer_ranges:
-          own = own_tile_range(i, b, lo, hi)
-          classes = ((lo, own[0], None), (own[0], own[1], True), (own[1], own[2], False),
-                     (own[2], own[3], True), (own[3], hi, None))
+          mine = own_tile_range(i, b, lo, hi)
+          classes = ((lo, mine[0], None), (mine[0], mine[1], True), (mine[1], mine[2], False),
+                     (mine[2], mine[3], True), (mine[3], hi, None))
         zero_scores = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
 
         def issue_scores(s_ref, j):
@@ -793,7 +804,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
           return acc, m_new, l_i
 
-        def pass_tile(j, carry):
+        def idle_tile(j, carry):
           """Tile j outside this consumer's rows' range: `body`'s barrier arrivals and
           waits in `body`'s order and nothing else, so that the slots' consumed
           barriers and the ping-pong's schedule barrier complete as for a computed tile."""
@@ -840,7 +851,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         if not config.scores_ahead:
           carry = (acc, m_i, l_i)
           for a, z, masked in classes:
-            step = pass_tile if masked is None else functools.partial(body, masked=masked)
+            step = idle_tile if masked is None else functools.partial(body, masked=masked)
             carry = lax.fori_loop(a, z, step, carry)
         else:
           def first():
@@ -1030,16 +1041,16 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   T_map, S_map = map_rows(T, rows_per_program, interpret), map_rows(S, bk, interpret)
   qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
-  own = {}
+  per_consumer = {}
   if config.consumer_ranges:     # a row per consumer's block_q rows, empty past T
     own_ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
-    own = {"own_ranges": pad_axis(own_ranges, Tp // bq, 1)}
+    per_consumer = {"own_ranges": pad_axis(own_ranges, Tp // bq, 1)}
   seg = {}
   if ops.q_segment_ids is not None:
     # Read by plain loads, which nothing bounds: padded with ids that match nothing.
     seg = {"q_seg": pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"]),
            "kv_seg": pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])}
-  in_names = ["q", "k", "v", "ranges", *own, *seg]
+  in_names = ["q", "k", "v", "ranges", *per_consumer, *seg]
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
@@ -1085,7 +1096,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       thread_name="wg",
       compiler_params=compiler_params(config.semantics),
       **extra,
-  )(qp, kp, vp, ranges, *own.values(), *seg.values())
+  )(qp, kp, vp, ranges, *per_consumer.values(), *seg.values())
   # XLA's dynamic-slice fusion (jax 0.11) folds a dynamic-update-slice of a custom
   # call's result (a scan stacking this output as a residual for the backward) into a
   # fusion around the call, and keeps the original call for the output's other users:
