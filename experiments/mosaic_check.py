@@ -336,10 +336,10 @@ def time_cells(rounds, sweep, peers, cells, variants=(), over_table=(), input_se
       fns = dict(forward_fns(causal, peers))
       # Over-table variants run through flash_forward; so does the table's config beside
       # them (the row's IMPL goes through jflash.attention), for a like-for-like ratio.
-      configs = {f"{IMPL} table": mf.default_config(H, causal, S)} if over_table else {}
+      table = mf.default_config(H, causal, S)
+      configs = {f"{IMPL} table": table} if over_table else {}
       for fields in over_table:
         label = f"{IMPL} " + ",".join(f"{a}={b}" for a, b in fields.items())
-        table = mf.default_config(H, causal, S)
         try:
           config = dataclasses.replace(table, **fields)
         except ValueError as e:     # not a config over this cell's table entry

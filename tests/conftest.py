@@ -29,7 +29,6 @@ os.environ["XLA_FLAGS"] = " ".join(
     [_own_flags, *(f for f in XLA_TEST_FLAGS if f.split("=")[0] not in _own_flags)]).strip()
 
 
-
 def _compile_each_interpreted_program_once():
   """Mosaic GPU's interpreter (jax 0.10) runs each warpgroup and program of a kernel as
   a thread that lowers and compiles the same jaxpr for itself (`thread_map._run_jaxpr`):
