@@ -482,21 +482,15 @@ def leaves_out(fields, shape):
   return None
 
 
-# The forward's cases that are not in the backward check as it ran on the H200
-# (mosaic_backward_check_h200.json): a window without a causal mask, a key length of 0,
-# fully masked rows.
-BACKWARD_LEAVES_OUT = ("window (128, 0)", "kv length 0", "fully masked rows")
-
-
 def selected(only, name) -> bool:
   """Whether case `name` runs under --only (comma-separated substrings; None: all)."""
   return not only or any(part in name for part in only.split(","))
 
 
 def backward_cases():
-  """The forward's cases (same shapes, dtypes and masks), less BACKWARD_LEAVES_OUT."""
-  return [("bwd " + name, shape, dtype, kw) for name, shape, dtype, kw in cases()
-          if not name.startswith(BACKWARD_LEAVES_OUT)]
+  """The forward's cases: the same shapes, dtypes and masks (a key length of 0 and fully
+  masked rows included: their rows' dQ and the unseen keys' dK, dV are zeros)."""
+  return [("bwd " + name, shape, dtype, kw) for name, shape, dtype, kw in cases()]
 
 
 def check_backward_case(name, shape, dtype, kw, seed, fields=None):

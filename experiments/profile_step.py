@@ -120,11 +120,13 @@ def cell_fwd_bwd_step(args):
     raise ValueError(f"--cell {args.cell!r} is not a cell's whole name")
   (case,) = named
   q, k, v, do = cell_inputs(case)
+  config = None
   if args.impl == "cudnn":
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal,
                                                           implementation="cudnn")
   else:
-    config = jflash.MosaicGPUConfig(**json.loads(args.config)) if args.config else None
+    if args.config:
+      config = jflash.MosaicGPUConfig(**json.loads(args.config))
     implementation = None if args.impl == "jflash" else args.impl
     attend = lambda q, k, v: jflash.attention(q, k, v, is_causal=case.causal,
                                               implementation=implementation, config=config)
