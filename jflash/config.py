@@ -218,10 +218,6 @@ class MosaicGPUConfig(BackendConfig):
       query blocks of the dQ kernel) given to programs that run at once (`l2_group`);
       None: the kernel's default (`pallas_kernels.mosaic_gpu.backward.L2_GROUP` at
       head_dim 64 from `L2_GROUP_MIN_PAIRS` (batch, key head) pairs, else 1).
-    backward_greedy_schedule: whenever the Mosaic GPU backward runs on persistent grids
-      with a causal mask, their work items given to the programs at trace time by
-      greedy list scheduling on their tile counts, in place of the snake rounds
-      (`greedy_schedule`); None: False.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -238,7 +234,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
       "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
-      "backward_l2_group": "l2_group", "backward_greedy_schedule": "greedy_schedule"}
+      "backward_l2_group": "l2_group"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -266,7 +262,6 @@ class MosaicGPUConfig(BackendConfig):
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
   backward_l2_group: int | None = None
-  backward_greedy_schedule: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -14,7 +14,6 @@ On the H200 it is checked by `python -m experiments.mosaic_check --backward`; he
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -991,61 +990,3 @@ def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num
   assert snake.max() - snake.min() <= cost.max()
   if num_items == 2048:
     assert plain.max() / plain.mean() > 1.06 and snake.max() / snake.mean() < 1.003
-
-
-def _causal_grid_costs(tiles, pairs, l2_group):
-  """A causal persistent grid of `tiles` key tiles per (batch, head) pair in
-  `item_coords`'s order (groups of l2_group tiles): item w costs its key tile's
-  visited query tiles (tiles - j) plus one, as `flash_backward` counts them."""
-  tile = np.asarray(mf.item_coords(np.arange(tiles * pairs, dtype=np.int32), (tiles, pairs),
-                                   True, l2_group)[0])
-  return tiles - tile + 1
-
-
-@pytest.mark.parametrize("num_items,num_ctas", [(4096, 132), (7, 3), (5, 5), (3, 8)])
-def test_greedy_items_cover_items_once_and_balance(num_items, num_ctas):
-  """`greedy_items`: each work item goes to exactly one program, each program's in
-  ascending order, its count first and -1 after; the busiest program within one item's
-  cost of the mean (Graham's bound). On the 4K d64 causal dK/dV grid in groups of 8
-  (32 key tiles x 128 pairs on 132 multiprocessors, the docstring's case) the snake
-  rounds put the busiest program 3% over the mean, the greedy table about 1%."""
-  tiles = 32 if num_items == 4096 else num_items
-  costs = _causal_grid_costs(tiles, num_items // tiles, 8)
-  table = mf.greedy_items(costs, num_ctas)
-  assert table.dtype == np.int32 and table.shape == (num_ctas, 1 + table[:, 0].max())
-  owned = [list(row[1:1 + row[0]]) for row in table]
-  assert all((row[1 + row[0]:] == -1).all() for row in table)
-  assert all(o == sorted(o) for o in owned)
-  assert sorted(sum(owned, [])) == list(range(num_items))
-  loads = np.array([costs[o].sum() for o in owned])
-  assert loads.max() - loads.sum() / num_ctas <= costs.max()
-  if num_items == 4096:
-    snake = []
-    for cta in range(num_ctas):
-      steps, item = mf.item_schedule(jnp.int32(cta), num_items, num_ctas, True)
-      snake.append(costs[[int(item(jnp.int32(k))) for k in range(int(steps))]].sum())
-    assert max(snake) / np.mean(snake) > 1.03 and loads.max() / loads.mean() < 1.012
-
-
-@pytest.mark.parametrize("H,l2_group", [(64, 2), (128, 1)])
-def test_interpreted_greedy_schedule_matches_the_snake(H, l2_group):
-  """`greedy_schedule`: both causal kernels' items from the trace-time table, three
-  programs (GQA with tails, as `test_interpreted_persistent_grids`), under jit: the same
-  gradients to the bit as the snake rounds (each item writes its own rows), and a
-  config field that no grid without a causal mask reads."""
-  q, k, v, do = random_qkv((1, 70, 150, 4, 2, H), jnp.bfloat16, seed=7)
-  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
-                              return_residuals=True)
-  grads = {}
-  for greedy in (False, True):
-    config = mb.BackwardConfig(consumers=2, persistent=True, dq_rows_in_registers=True,
-                               stages=3, l2_group=l2_group, greedy_schedule=greedy)
-    # under jit: the table is built from constants inside the caller's trace
-    grads[greedy] = jax.jit(functools.partial(
-        mb.flash_backward, scale=H ** -0.5, config=config, opts=MaskOptions(is_causal=True),
-        interpret=True, num_sms=3))(q, k, v, out, lse, do)
-  for a, b in zip(grads[False], grads[True]):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  _check_grads(grads[True], q, k, v, do, is_causal=True, scale=H ** -0.5)
-  with pytest.raises(ValueError, match="backward_greedy_schedule=1 must be a bool"):
-    jflash.MosaicGPUConfig(backward_greedy_schedule=1)

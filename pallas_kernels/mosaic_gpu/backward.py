@@ -58,20 +58,17 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
-                                    classes_static, query_block_order, ranges_from_classes,
-                                    structured_keep, visit_tiles)
+                                    query_block_order, structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (LOG2E, MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
                                                SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_l2_group,
                                                check_shared_memory,
-                                               compiler_params, greedy_items, item_coords,
-                                               item_schedule,
+                                               compiler_params, item_coords, item_schedule,
                                                map_rows, pad_axis, smem_layout,
                                                table_head_dim)
 
@@ -190,11 +187,6 @@ class BackwardConfig:
     many consecutive ones of one head (`item_coords`), so that programs running at
     once share that head's streamed tiles in L2; 1: one head per program of a round.
     No other grid reads it.
-  greedy_schedule: with `persistent` and a causal mask, each kernel's items are given
-    to its programs at trace time by greedy list scheduling on their tile counts under
-    the static rules (`forward.greedy_items`; each program reads its list from a
-    table), in place of `item_schedule`'s snake rounds, which balance the programs
-    less well when the items go in groups (`l2_group`). No other grid reads it.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -218,7 +210,6 @@ class BackwardConfig:
   stats_streamed: bool = False
   dv_overlap: bool = True
   l2_group: int = 1
-  greedy_schedule: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -233,7 +224,7 @@ class BackwardConfig:
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
     for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent",
-                 "stats_streamed", "dv_overlap", "greedy_schedule"):
+                 "stats_streamed", "dv_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -385,6 +376,10 @@ def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
 # against 332.1, mosaic_bwd_d64_l2_group_time_h200.json); GQA 32/8 4K d64 causal
 # (4 x 8 pairs, so a round already holds about four items of each) 351.5 and 350.0
 # against 359.0: there the groups only cost the snake's balance (`item_coords`).
+# Groups of 16 ran level at 4K (343.5 against 347.8, mosaic_bwd_l2_group16_time_h200
+# .json), and so did the groups of 8 with the items balanced across the programs by a
+# trace-time greedy table instead of the snake rounds (341.7 against 340.3,
+# mosaic_bwd_greedy_time_h200.json; built and removed, notes of session 26).
 L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 
 
@@ -841,16 +836,11 @@ def _count_after(count, tiles):
   return None if count is None else count + tiles()
 
 
-def _for_each_item(num_items, num_ctas, item, snake=False, schedule=None):
+def _for_each_item(num_items, num_ctas, item, snake=False):
   """The persistent grid's loop: this program (axis "sm") runs its work items
-  (`item_schedule`, or its row of the `schedule` table of `forward.greedy_items`) as
-  item(w, count) -> count, the count (of streamed tiles) going on from one item to the
-  next from 0; returns the last."""
-  cta = lax.axis_index("sm")
-  if schedule is None:
-    steps, item_index = item_schedule(cta, num_items, num_ctas, snake)
-  else:
-    steps, item_index = schedule[cta, 0], lambda k: schedule[cta, k + 1]
+  (`item_schedule`) as item(w, count) -> count, the count (of streamed tiles) going
+  on from one item to the next from 0; returns the last."""
+  steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
   return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
                        jnp.int32(0))
 
@@ -865,20 +855,20 @@ class _PersistentGrid(NamedTuple):
   l2_group: int
 
 
-def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake,
-                    schedule=None):
+def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake):
   """A persistent program of two consumers and a producer: the producer runs
   produce(item, count) -> count over this program's work items (`_for_each_item`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
   runs consume(wg, item, count) -> count over the same items."""
-  each = functools.partial(_for_each_item, persistent.items, persistent.programs,
-                           snake=snake, schedule=schedule)
+  num_items, num_ctas = persistent.items, persistent.programs
 
   def produce_all():
-    pipe.drain(each(lambda w, count: produce(item_of(w), count)))
+    pipe.drain(_for_each_item(num_items, num_ctas,
+                              lambda w, count: produce(item_of(w), count), snake))
 
   def consume_all(wg):
-    each(lambda w, count: consume(wg, item_of(w), count))
+    _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
+                   snake)
   _warp_specialised(lax.axis_index("wg"), 2, produce_all, consume_all)
 
 
@@ -959,8 +949,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
   def consume(wg, item, count):
     return consume_as(wg, item.j, item.consume, count)
-  _run_persistent(persistent, slots, item_of, produce, consume, snake=opts.is_causal,
-                  schedule=r.get("schedule"))
+  _run_persistent(persistent, slots, item_of, produce, consume, snake=opts.is_causal)
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
@@ -1248,7 +1237,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   _run_persistent(persistent, slots, item_of,
                   lambda item, count: produce(item.srcs, item.b, item.i, count),
                   lambda wg, item, count: consume_as(wg, item.i, item.consume, count),
-                  snake=opts.is_causal, schedule=r.get("schedule"))
+                  snake=opts.is_causal)
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
@@ -1415,7 +1404,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     if partials:
       scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **f32_layout(H))
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
-                *(n for n in ("q_seg", "kv_seg", "schedule") if n in x)]
+                *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
     args = [x[n] for n in in_names if n != "ranges"]
     args.insert(in_names.index("ranges"), ranges)
@@ -1505,25 +1494,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       return grid, grid_names
     return (persistent_grid(grid).programs,), ("sm",)
 
-  def scheduled(x, grid, bq, bk, *, transpose, heads=1):
-    """x with the persistent grid's item table where `greedy_schedule` makes one (a
-    causal mask): work item w costs its row's visited tiles under the static rules
-    (causal, window: `classes_static`; lengths and segments are data), times the query
-    `heads` it loops over, plus one for its fixed rows' loads and its stores. Its row
-    is the key tile (`transpose`, the dK/dV kernel) or query block (`query_block_order`)
-    that `item_coords` gives it."""
-    if not (config.persistent and config.greedy_schedule and opts.is_causal):
-      return x
-    classes = classes_static(T, S, bq, bk, opts)
-    r = ranges_from_classes(classes.T if transpose else classes, xp=np)
-    visits = heads * (r[:, 3] - r[:, 0]) + 1
-    p = persistent_grid(grid)
-    with jax.ensure_compile_time_eval():     # on constants, inside the caller's trace
-      tile = np.asarray(item_coords(np.arange(p.items, dtype=np.int32), grid, True,
-                                    p.l2_group)[0])
-    row = tile if transpose else np.asarray(query_block_order(len(r), opts)(tile))
-    return {**x, "schedule": jnp.asarray(greedy_items(visits[row], p.programs))}
-
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows
   bq, bk = config.block_n, dkv_keys(H, config)
@@ -1538,7 +1508,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # axis of every output, as the in-place launch's batching rule (fused_dq) takes it.
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
-  x = scheduled(x, grid, bq, bk, transpose=True, heads=group // splits)
   dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
                                rows_in_registers=config.dkv_rows_in_registers,
                                persistent=persistent_grid(grid),
@@ -1561,7 +1530,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   Tp, Sp, T_map, _, x = padded(bq, bk)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   grid = (Tp // bq, N, B)
-  x = scheduled(x, grid, bq, bk, transpose=False)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,
                                  persistent=persistent_grid(grid)),

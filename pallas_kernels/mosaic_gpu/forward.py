@@ -530,33 +530,6 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
   return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
 
 
-def greedy_items(costs, num_ctas: int):
-  """[num_ctas, 1 + steps] int32, the persistent grid's items assigned at trace time:
-  row p is (n, the n items of program p in ascending order, then -1s). The items go in
-  the grid's order (`item_coords`: heaviest first with a causal mask) each to the
-  program with the least work so far, costs[w] (ties: the lower index): greedy list
-  scheduling (Graham, "Bounds on multiprocessing timing anomalies", 1969), what the
-  hardware's block scheduler does over a launched grid at run time, so that the
-  busiest program ends at most one item's cost past the mean. `item_schedule`'s snake
-  rounds balance as well only where a round's items cost alike: in groups of
-  `l2_group` > 1 tiles they do not (the 4K d64 causal grids' busiest of 132 programs
-  3.1% over the mean with groups of 8, 1.1% here). Each program still takes its items
-  in the grid's order, so programs running at once work on neighbouring items."""
-  import heapq
-  import numpy as np
-  loads = [(0, p) for p in range(num_ctas)]
-  lists = [[] for _ in range(num_ctas)]
-  for w, cost in enumerate(costs):
-    load, p = heapq.heappop(loads)
-    lists[p].append(w)
-    heapq.heappush(loads, (load + cost, p))
-  table = np.full((num_ctas, 1 + max(map(len, lists))), -1, np.int32)
-  for p, items in enumerate(lists):
-    table[p, 0] = len(items)
-    table[p, 1:1 + len(items)] = items
-  return table
-
-
 def item_coords(w, sizes, causal: bool, l2_group: int = 1):
   """The grid coordinates of work item w of a persistent program (the forward's and
   both backward kernels'), or of the forward's launched causal program at launch index
