@@ -489,7 +489,7 @@ def selected(only, name) -> bool:
 
 def backward_cases():
   """The forward's cases: the same shapes, dtypes and masks (a key length of 0 and fully
-  masked rows included: their rows' dQ and the unseen keys' dK, dV are zeros)."""
+  masked rows included, their gradients held to the rule like every other)."""
   return [("bwd " + name, shape, dtype, kw) for name, shape, dtype, kw in cases()]
 
 

@@ -121,6 +121,8 @@ def cell_fwd_bwd_step(args):
   (case,) = named
   q, k, v, do = cell_inputs(case)
   config = None
+  if args.impl == "cudnn" and args.config:
+    raise ValueError(f"--config {args.config!r} is jflash's: --impl cudnn takes none")
   if args.impl == "cudnn":
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal,
                                                           implementation="cudnn")

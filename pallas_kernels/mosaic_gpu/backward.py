@@ -379,7 +379,8 @@ def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
 # Groups of 16 ran level at 4K (343.5 against 347.8, mosaic_bwd_l2_group16_time_h200
 # .json), and so did the groups of 8 with the items balanced across the programs by a
 # trace-time greedy table instead of the snake rounds (341.7 against 340.3,
-# mosaic_bwd_greedy_time_h200.json; built and removed, notes of session 26).
+# mosaic_bwd_greedy_time_h200.json), which lost 3-5% where the snake was balanced
+# already (GQA 32/8 4K, groups of one; 2K; built and removed, notes of session 26).
 L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 
 
