@@ -990,3 +990,45 @@ def test_persistent_schedule_covers_items_once_and_snake_balances(num_items, num
   assert snake.max() - snake.min() <= cost.max()
   if num_items == 2048:
     assert plain.max() / plain.mean() > 1.06 and snake.max() / snake.mean() < 1.003
+
+
+@pytest.mark.parametrize("H,causal,persistent", [(64, True, True), (128, False, False)])
+def test_interpreted_dq_ping_pong(H, causal, persistent):
+  """`dq_ping_pong`: the dQ kernel's two consumers staggered by the schedule barrier
+  (each tile two turns, consumer 1 one turn late, consumer 0 one turn at the end of
+  each item), with masked and unmasked tiles, items of no tile (a causal GQA call with
+  tails: T < S) and, persistent, items in turn on three programs: the same gradients
+  to the bit as without it; refused where the dQ kernel runs one consumer."""
+  q, k, v, do = random_qkv((1, 70, 150, 4, 2, H), jnp.bfloat16, seed=5)
+  out, lse = jflash.attention(q, k, v, is_causal=causal, implementation="xla",
+                              return_residuals=True)
+  grads = {}
+  for ping_pong in (False, True):
+    config = mb.BackwardConfig(consumers=2, persistent=persistent, dq_rows_in_registers=True,
+                               stages=3, dq_ping_pong=ping_pong)
+    grads[ping_pong] = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5,
+                                         config=config, opts=MaskOptions(is_causal=causal),
+                                         interpret=True, num_sms=3)
+  for a, b in zip(grads[False], grads[True]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  _check_grads(grads[True], q, k, v, do, is_causal=causal, scale=H ** -0.5)
+  q256 = jax.ShapeDtypeStruct((1, 128, 4, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="dq_ping_pong=True staggers two dQ consumers"):
+    mb.check_supported(q256, q256, q256, mb.BackwardConfig(consumers=2, dq_ping_pong=True))
+  with pytest.raises(ValueError, match="backward_dq_ping_pong=1 must be a bool"):
+    jflash.MosaicGPUConfig(backward_dq_ping_pong=1)
+  with pytest.raises(ValueError, match="dq_ping_pong=True are its fields"):
+    mb.BackwardConfig(consumers=2, fused_dq=True, dq_ping_pong=True)
+
+
+@pytest.mark.parametrize("H,causal", [(64, True), (128, False)])
+def test_lowers_with_dq_ping_pong(H, causal):
+  """`dq_ping_pong` lowers for the GPU on the launched and persistent grids, every mask
+  path, tails on both sides."""
+  opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
+  for persistent in (False, True):
+    config = mb.BackwardConfig(consumers=2, dq_rows_in_registers=True, persistent=persistent,
+                               dq_ping_pong=True)
+    lowered = _lowered(H, opts, with_masks=True, config=config,
+                       num_sms=132 if persistent else None)
+    assert lowered.count("@mosaic_gpu") == 2
