@@ -218,9 +218,6 @@ class MosaicGPUConfig(BackendConfig):
       query blocks of the dQ kernel) given to programs that run at once (`l2_group`);
       None: the kernel's default (`pallas_kernels.mosaic_gpu.backward.L2_GROUP` at
       head_dim 64 from `L2_GROUP_MIN_PAIRS` (batch, key head) pairs, else 1).
-    backward_dq_ping_pong: whenever the Mosaic GPU backward runs, its dQ kernel's two
-      consumers staggered by a barrier so that one's element-wise work runs under the
-      other's matrix products (`dq_ping_pong`); None: False.
   """
 
   backend: ClassVar[str] = "mosaic_gpu"
@@ -237,7 +234,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
       "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
-      "backward_l2_group": "l2_group", "backward_dq_ping_pong": "dq_ping_pong"}
+      "backward_l2_group": "l2_group"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -265,7 +262,6 @@ class MosaicGPUConfig(BackendConfig):
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
   backward_l2_group: int | None = None
-  backward_dq_ping_pong: bool | None = None
 
   def __post_init__(self):
     if self.backward not in self.backward_kinds:

@@ -187,13 +187,6 @@ class BackwardConfig:
     many consecutive ones of one head (`item_coords`), so that programs running at
     once share that head's streamed tiles in L2; 1: one head per program of a round.
     No other grid reads it.
-  dq_ping_pong: the dQ kernel's two consumers staggered by a "schedule" barrier of two
-    arrivals (the forward's ping-pong, FlashAttention-3 section 3.1): each issues S
-    and dP, hands the tensor cores to the other, computes dS' while the other's
-    products run, and issues dQ += dS' K when the other has finished its own dS'.
-    Without it the two consumers wait on the same slots and tend to run their products
-    and their element-wise work at the same time. Two dQ consumers only
-    (NotImplementedError where the dQ kernel runs one), not with fused_dq.
   group_splits: programs per key tile of the dK/dV kernel, each looping over its own
     share of the GQA group's G query heads (program s of group_splits = n runs heads
     [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
@@ -217,7 +210,6 @@ class BackwardConfig:
   stats_streamed: bool = False
   dv_overlap: bool = True
   l2_group: int = 1
-  dq_ping_pong: bool = False
 
   def __post_init__(self):
     if self.semantics not in SEMANTICS:
@@ -232,7 +224,7 @@ class BackwardConfig:
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
     for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent",
-                 "stats_streamed", "dv_overlap", "dq_ping_pong"):
+                 "stats_streamed", "dv_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -242,11 +234,10 @@ class BackwardConfig:
                                           or self.dq_consumers not in (1, 2)):
       raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1 or 2")
     if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers
-                          or self.dq_consumers is not None or self.dq_ping_pong):
+                          or self.dq_consumers is not None):
       raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
-                       f"dq_consumers={self.dq_consumers!r}, dq_rows_in_registers="
-                       f"{self.dq_rows_in_registers!r} and dq_ping_pong="
-                       f"{self.dq_ping_pong!r} are its fields")
+                       f"dq_consumers={self.dq_consumers!r} and dq_rows_in_registers="
+                       f"{self.dq_rows_in_registers!r} are its fields")
     check_l2_group(self.l2_group)
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of two consumers: dq_consumers=1 "
@@ -534,10 +525,6 @@ def check_supported(q, k, v, config: BackwardConfig):
   if why:
     raise NotImplementedError(f"{why} query heads per key head ({q.shape[2]} query heads, "
                               f"{k.shape[2]} key heads)")
-  if config.dq_ping_pong and dq_consumers_of(q.shape[-1], config) != 2:
-    raise NotImplementedError(
-        f"dq_ping_pong=True staggers two dQ consumers; at head_dim={q.shape[-1]} with "
-        f"{config} the dQ kernel runs {dq_consumers_of(q.shape[-1], config)}")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
 
@@ -566,21 +553,17 @@ class _Products:
     """a @ b(^T) into a new float32 accumulator, waited for."""
     return self.fresh_pair(a, b, None, None, shape, b_t=b_t)[0]
 
-  def fresh_pair(self, a1, b1, a2, b2, shape, *, b_t=False, then=lambda: None):
+  def fresh_pair(self, a1, b1, a2, b2, shape, *, b_t=False):
     """(a1 @ b1(^T), a2 @ b2(^T)), issued back to back, then both waited for (the
-    second product's issue does not wait for the first's result). a2 None: one.
-    `then()` runs after the issues, while the products are in flight."""
+    second product's issue does not wait for the first's result). a2 None: one."""
     if self.interpret:
-      out = self._dot(a1, b1, b_t), (None if a2 is None else self._dot(a2, b2, b_t))
-      then()
-      return out
+      return self._dot(a1, b1, b_t), (None if a2 is None else self._dot(a2, b2, b_t))
     plgpu = _plgpu()
 
     def run(acc1, acc2):
       plgpu.wgmma(acc1, a1, self._t(b1, b_t))
       if a2 is not None:
         plgpu.wgmma(acc2, a2, self._t(b2, b_t))
-      then()
       return acc1[...], (None if a2 is None else acc2[...])
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
@@ -1258,18 +1241,6 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
                   snake=opts.is_causal)
 
 
-class _Schedule(NamedTuple):
-  """The dQ kernel's ping-pong barrier (`BackwardConfig.dq_ping_pong`; two arrivals), or
-  None: `turn` arrives and waits for the other consumer's arrival, nothing without it."""
-  barrier: object
-
-  def turn(self):
-    if self.barrier is not None:
-      plgpu = _plgpu()
-      plgpu.barrier_arrive(self.barrier)
-      plgpu.barrier_wait(self.barrier)
-
-
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
                 rows_in_registers):
   """The closures of one dQ work item (see `_dq_kernel`), query block i of query head
@@ -1277,7 +1248,6 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
   ranges = r["ranges"]
   H = r["q_smem"].shape[-1]
   iota, query_layout, key_layout = _layouts(interpret, (bq, bk))
-  schedule = _Schedule(r.get("schedule"))
   kv_head = lax.div(n, jnp.int32(group))
   srcs = [lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
           lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]]
@@ -1317,26 +1287,16 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
         keep = structured_keep(row0 + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
                                q_seg=q_seg, kv_seg=kv_seg)
       k_smem, v_smem = acquire(t)
-      s, dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True,  # QK^T, dO V^T
-                            then=schedule.turn)     # the tensor cores to the other consumer
+      s, dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True)  # QK^T, dO V^T
       p, c = _tile_p(s, lse2, opts=opts, scale=scale, keep=keep)
-      ds = _tile_ds(p, c, dp, delta).astype(k_smem.dtype)
-      if schedule.barrier is not None:   # dS' on this side of the turn
-        ds = lax.optimization_barrier(ds)
-      schedule.turn()       # dS' done; the other consumer has left the tensor cores
-      mm.issue(dq_acc, ds, k_smem)                                # dQ += dS' K
+      mm.issue(dq_acc, _tile_ds(p, c, dp, delta).astype(k_smem.dtype), k_smem)  # dQ += dS' K
       mm.wait()          # this tile's slot is refilled once the product is done
       if release is not None:
         release(t)
       return carry
 
-    def run(dq_acc):
-      if schedule.barrier is not None:   # stagger: consumer 1 starts one turn late
-        pl.when(wg == 1)(schedule.turn)
-      visit_tiles((lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0)
-      if schedule.barrier is not None:   # balance the stagger
-        pl.when(wg == 0)(schedule.turn)
-    (dq,) = mm.accumulators((bq, H), 1, run, wg)
+    (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
+        (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
     _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
     return _count_after(count, lambda: hi - lo)
 
@@ -1406,8 +1366,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   stages, roles = config.stages, by_role(H)
 
   def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
-           partials=False, C=config.consumers, shared_fixed=False, stats=False,
-           ping_pong=False):
+           partials=False, C=config.consumers, shared_fixed=False, stats=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
     padded query length of the float32 dQ the kernel adds to; returns it after the
@@ -1416,8 +1375,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     consumers split one program's fixed rows by role (`_dkv_by_role`): each holds one
     of the two fixed operands, and they pass each other P^T (two slots) and float32
     dP^T (one), each slot with its "ready" and "free" barriers. stats: the lse and
-    delta of each streamed tile stream beside it (`stats_streamed`). ping_pong: the
-    dQ consumers' "schedule" barrier (`dq_ping_pong`)."""
+    delta of each streamed tile stream beside it (`stats_streamed`)."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
@@ -1434,8 +1392,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     if C > 1:      # consumers + the producer warpgroup
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
       threads = dict(num_threads=C + 1, thread_name="wg")
-    if ping_pong:
-      scratch["schedule"] = plgpu.Barrier(num_arrivals=2)
     if shared_fixed:    # the tiles `_dkv_by_role`'s consumers pass each other
       scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
       scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
@@ -1580,5 +1536,5 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype)],
-               C=dq_consumers, ping_pong=config.dq_ping_pong)
+               C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]
