@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -258,12 +259,24 @@ CELLS = [  # (name, B, S, N, H)
 ]
 
 
+def cell_patterns(text: str) -> list[str]:
+  """--cells' comma-separated regular expressions, each checked before any compile."""
+  cells = [c for c in text.split(",") if c]
+  for c in cells:
+    try:
+      re.compile(c)
+    except re.error as e:
+      raise ValueError(f"--cells pattern {c!r} is not a regular expression: {e}") from None
+  return cells
+
+
 def timed_rows(name, cells) -> list[bool]:
-  """The causal flags of cell `name`'s rows that `cells` selects: substrings of a row's
-  name (the cell's, with " causal" for its causal row, so "d64 causal" takes that row
-  alone); none: both rows."""
+  """The causal flags of cell `name`'s rows that `cells` selects: regular expressions
+  searched in a row's name (the cell's, with " causal" for its causal row, so "d64
+  causal" takes that row alone and "d128$" the rows of d128 cells without a mask);
+  none: both rows."""
   return [causal for causal in (False, True) if not cells or any(
-      c in name + (" causal" if causal else "") for c in cells)]
+      re.search(c, name + (" causal" if causal else "")) for c in cells)]
 
 
 def time_together(fns, sets_of, flops, rounds, row, check=None, round_s=0.2):
@@ -744,7 +757,7 @@ def main_backward(args):
     name = "mosaic_backward_check_h200"
   checks, left_out = ([], []) if args.no_check else backward_checks(variants, args.only)
   timing = [] if args.no_timing else time_backward_cells(
-      args.rounds, [c for c in args.cells.split(",") if c], variants, peers=peers,
+      args.rounds, cell_patterns(args.cells), variants, peers=peers,
       **timing_method(args))
   path = write_result(name, vars(args), checks, extra={"timing": timing, "left_out": left_out},
                       out_dir=args.out_dir)
@@ -772,8 +785,9 @@ def main(argv=None):
                  help="run only the cases whose name contains one of these (comma-separated)")
   p.add_argument("--peers", default="cudnn,pallas", help="timed beside mosaic_gpu")
   p.add_argument("--cells", default="",
-                 help="comma-separated substrings of the rows to time (a cell's name, with "
-                 "\" causal\" for its causal row)")
+                 help="comma-separated regular expressions searched in the names of the rows "
+                 "to time (a cell's name, with \" causal\" for its causal row: \"d128$\" takes "
+                 "the d128 cells' rows without a mask)")
   p.add_argument("--variants", default="",
                  help="with --sweep: comma-separated substrings of the variant labels to time")
   p.add_argument("--over-table", default="[]",
@@ -791,6 +805,7 @@ def main(argv=None):
   p.add_argument("--dry-run-cpu", action="store_true",
                  help="with --backward: tiny interpreted checks on a CPU (tests this script)")
   args = p.parse_args(argv)
+  cell_patterns(args.cells)      # a bad pattern fails here, before any device time
   if args.backward:
     return main_backward(args)
   result = {"dispatch": check_dispatch()}
@@ -809,7 +824,7 @@ def main(argv=None):
       checks.append(extra)
       print(extra, flush=True)
   timing = [] if args.no_timing else time_cells(args.rounds, args.sweep, args.peers.split(","),
-                                                   [c for c in args.cells.split(",") if c],
+                                                   cell_patterns(args.cells),
                                                    [v for v in args.variants.split(",") if v],
                                                    json.loads(args.over_table),
                                                    **timing_method(args))

@@ -477,6 +477,12 @@ def test_mosaic_check_times_rows_the_benchmarks_way(monkeypatch):
   rows = mosaic_check.time_cells(2, False, ["cudnn"], ["d64 causal"], **method)
   assert [r["cell"] for r in rows] == ["4K d64 causal"]
   assert seen == {"4K d64 causal": (["cudnn"], specs.N_INPUT_SETS, specs.ROUND_S)}
+  # A regular expression anchored at the end takes a cell's row without a mask alone;
+  # one that does not compile is refused by name before anything runs.
+  assert [r["cell"] for r in mosaic_check.time_cells(2, False, ["cudnn"], ["d64$"],
+                                                      **method)] == ["4K d64"]
+  with pytest.raises(ValueError, match=r"--cells pattern 'd64\(' is not a regular"):
+    mosaic_check.main(["--backward", "--cells", "d128,d64("])
   counted = []
   rows = {"tflops": {}}
   sets = [(np.float32(i),) for i in range(3)]
