@@ -185,9 +185,12 @@ class MosaicGPUConfig(BackendConfig):
       128 rows with lse and delta streamed (the dQ kernel's alone with one consumer;
       `pallas_kernels.mosaic_gpu.backward.BLOCK_N_AT_64`).
     backward_dq_consumers: whenever the Mosaic GPU backward runs, consumer warpgroups
-      of its dQ kernel: 1 or 2; None: as backward_consumers, and above head_dim 128
-      two on dQ key tiles of 64 where they fit shared memory (up to head_dim 224 at
-      backward_stages 2, 176 at 3), else one, as at head_dim 240-256
+      of its dQ kernel: 1, 2 or 3 (up to head_dim 128); None: as backward_consumers,
+      but at head_dim 80-128 without a causal mask three where two consumers run
+      the dK/dV kernel beside a dQ kernel and three fit shared memory (unless
+      backward_dq_rows_in_registers is set), and above head_dim 128 two on dQ key
+      tiles of 64 where they fit shared memory (up to head_dim 224 at backward_stages
+      2, 176 at 3), else one, as at head_dim 240-256
       (`pallas_kernels.mosaic_gpu.backward.call_config`).
     backward_dq_rows_in_registers, backward_dkv_rows_in_registers: whenever the Mosaic
       GPU backward runs, its dQ kernel (dK/dV kernel) keeps the fixed Q and dO (K and V)
@@ -201,7 +204,8 @@ class MosaicGPUConfig(BackendConfig):
       dQ kernel's at head_dim 256, double-buffers its own); None: 2.
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
-      consumers in both kernels, not with backward_dq_consumers 1, not with
+      consumers in the dK/dV kernel, two or three in the dQ kernel: not with
+      backward_dq_consumers 1, not with
       backward_fused_dq, not above head_dim 128); None: the kernel's
       default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
       query head without a causal mask; at head_dim 64 groups of up to 4, causal or

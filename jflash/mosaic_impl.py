@@ -131,7 +131,8 @@ D64_GROUPED_MIN_SEQ = 4096
 def backward_kind(q, k, cfg, masks: Masks) -> str:
   """Which backward runs: the caller's choice, or with "auto" the faster one as measured
   on the H200 (bf16, fwd+bwd against the Triton backward in the same process), with
-  the backward's default config (two consumer warpgroups and a producer;
+  the backward's default config (two consumer warpgroups and a producer, the dQ kernel
+  three at head_dim 80-128 without a causal mask;
   `pallas_kernels.mosaic_gpu.backward.call_config`). At head_dim 128 (and those that
   take its tiles, below):
   - grouped heads (GQA, MQA): the Mosaic GPU backward, whose dK/dV program runs the
@@ -145,7 +146,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     GPU backward (16K d128 527.5 against 464.7, causal 505.5 against 467.7,
     mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in shared memory; in
     registers, the default since, 1.009x and 1.027x that,
-    ab_dq_rows_in_registers_h200.json), off whole tiles too, whose tails it reads in
+    ab_dq_rows_in_registers_h200.json; without a causal mask three dQ consumers
+    since, `_bwd.DQ_CONSUMERS_AT_128`, 1.014x that), off whole tiles too, whose tails it reads in
     place (T = S = 3000, batch 4, 16 heads: 479.6 against 423.9, causal 406.3 against
     365.3, mosaic_bwd_tails_time_h200.json; padded in HBM it had run 299.8 causal
     where the Triton backward ran 335, bench_model_h200.json); shorter, the Triton
@@ -179,7 +181,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   357.7, causal 339.9 against 310.3; mosaic_off_table_bwd_time_h200.json; grouped,
   GQA 32/8 8K d96 467.4 against 372.5, causal 460.7 against 380.4, and 1K d96 380.5
   against 335.2, causal 244.3 against 238.4 where the rule keeps the Triton one;
-  mosaic_off_table_rule_time_h200.json); above 128 the rule of 256 (d192, 8 heads:
+  mosaic_off_table_rule_time_h200.json; without a causal mask three dQ consumers
+  since, faster again, `_bwd.DQ_CONSUMERS_AT_128`); above 128 the rule of 256 (d192, 8 heads:
   398.9 against 372.4, causal 371.5 against 335.7 with one dQ warpgroup; with the
   two dQ consumers now taken there, 433.1 and 399.0 against the Triton backward's
   361.8 and 325.1, mosaic_bwd_dq2_d192_time_h200.json)."""
@@ -204,11 +207,15 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   def resolved(c):
     dq = {} if c.fused_dq else {"dq_consumers": _bwd.dq_consumers_of(H, c)}
     return dataclasses.replace(c, l2_group=1, **dq)
-  # The configs timed against the Triton backward: the default, and the default on the
-  # launched grids.
+  # The configs timed against the Triton backward: the default and, where it takes
+  # three dQ consumers, the two with their rows in registers that ran before them (the
+  # figures above); each also on the launched grids.
   default = backward_config(q, k, cfg, masks, own_fields=False)
-  timed_config = resolved(config) in (resolved(default),
-                                      resolved(dataclasses.replace(default, persistent=False)))
+  timed = [default]
+  if default.dq_consumers == _bwd.DQ_CONSUMERS_AT_128:
+    timed.append(dataclasses.replace(default, dq_consumers=2, dq_rows_in_registers=True))
+  timed_config = resolved(config) in [resolved(c) for t in timed
+                                      for c in (t, dataclasses.replace(t, persistent=False))]
   if _fwd.table_head_dim(H) == 64:   # as timed: d = 64
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if masks.is_causal else D64_MIN_SEQ)

@@ -46,12 +46,16 @@ def test_backward_choice_and_validation():
   assert kind(q128, k128, v128, is_causal=True) == "pallas"        # 2 programs, split
   assert kind(q128, q128, q128) == "pallas"                         # one key head per head
   # ... from MHA_MIN_SEQ rows on, the Mosaic GPU backward with two consumers, when its
-  # causal grid (128 keys per program) is large enough
+  # causal grid (128 keys per program) is large enough; without a causal mask the dQ
+  # kernel's three consumers (DQ_CONSUMERS_AT_128), with one their rows in registers
   n = mosaic_impl.MHA_MIN_SEQ
   mha = jax.ShapeDtypeStruct((1, n, 1, 128), jnp.bfloat16)
   assert mosaic_impl.backward_kind(mha, mha, *jflash.prepare(q128, q128, q128)) == "mosaic_gpu"
   assert mosaic_impl.backward_config(mha, mha, *jflash.prepare(q128, q128, q128)) == \
-      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True, persistent=True)
+      mb.BackwardConfig(consumers=2, dq_consumers=mb.DQ_CONSUMERS_AT_128, persistent=True)
+  assert mosaic_impl.backward_config(
+      mha, mha, *jflash.prepare(q128, q128, q128, is_causal=True)) == \
+      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True)
   # Without a causal mask the default runs the persistent grids, from
   # MHA_PERSISTENT_MIN_SEQ rows; a causal call from MHA_MIN_SEQ, on the launched grids.
   causal = jflash.prepare(q128, q128, q128, is_causal=True)
@@ -155,7 +159,7 @@ def test_backward_choice_and_validation():
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *cfg) == mb.BackwardConfig(
       consumers=2, group_splits=4, dq_rows_in_registers=True)
   assert mosaic_impl.backward_config(mqa_q, mqa_k, *jflash.prepare(q128, k128, v128)) == \
-      mb.BackwardConfig(consumers=2, dq_rows_in_registers=True)   # not causal: never split
+      mb.BackwardConfig(consumers=2, dq_consumers=mb.DQ_CONSUMERS_AT_128)  # never split
   # The split counts the caller's own consumers, stops where shared memory ends, and is
   # the caller's when set; "auto" runs the Triton backward for fields that do not fit.
   def causal_with(**fields):
@@ -280,7 +284,7 @@ def test_group_splits_validation_and_limits():
   own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_group_splits=2))
   assert mosaic_impl.backward_config(q, k, *own) == mb.BackwardConfig(
-      consumers=2, group_splits=2, dq_rows_in_registers=True)
+      consumers=2, group_splits=2, dq_consumers=mb.DQ_CONSUMERS_AT_128)  # not causal
   mosaic_impl.check_call(q, k, v, *own, **HOPPER)
   for splits in (3, 4):     # the config alone does not know the group: the call's check
     with pytest.raises(NotImplementedError, match=f"group_splits={splits} does not divide "
@@ -382,11 +386,20 @@ def test_two_dq_consumers_above_head_dim_128_where_they_fit():
   q, k, v = random_qkv((1, 4096, 4096, 2, 2, 128), jnp.bfloat16)[:3]
   mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_dq_consumers=1)), **HOPPER)
-  # "auto" takes the default's own dQ count as the default (the timed config).
-  same = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward_dq_consumers=2))
+  # "auto" takes the default's own dQ count as the default (the timed config): three
+  # at head_dim 128 without a causal mask (DQ_CONSUMERS_AT_128); and the two with
+  # their rows in registers timed before them.
+  same = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward_dq_consumers=3))
   assert mosaic_impl.backward_kind(q, k, *same) == mosaic_impl.backward_kind(
       q, k, *jflash.prepare(q, k, v)) == "mosaic_gpu"
-  for fields, why in ((dict(dq_consumers=3), "dq_consumers=3"),
+  for two in (dict(backward_dq_consumers=2), dict(backward_dq_rows_in_registers=True)):
+    own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(**two))
+    assert mosaic_impl.backward_config(q, k, *own).dq_rows_in_registers, two
+    assert mosaic_impl.backward_kind(q, k, *own) == "mosaic_gpu", two
+  untimed = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(
+      backward_dq_consumers=2, backward_dq_rows_in_registers=False))
+  assert mosaic_impl.backward_kind(q, k, *untimed) == "pallas"
+  for fields, why in ((dict(dq_consumers=4), "dq_consumers=4"),
                       (dict(dq_consumers=True), "dq_consumers=True"),
                       (dict(fused_dq=True, dq_consumers=2), "dq_consumers=2"),
                       (dict(consumers=2, persistent=True, dq_consumers=1), "dq_consumers=1")):
@@ -486,7 +499,7 @@ def test_lowers_two_dq_consumers_above_head_dim_128(H, causal):
   modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))
   assert len(modules) == 2 and all("wgmma" in m for m in modules)
   counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", modules[1]))
-  assert counts == [24, mb.CONSUMER_REGISTERS]
+  assert counts == [24, mb.CONSUMER_REGISTERS[2]]
 
 
 @pytest.mark.parametrize("H", [160, 192])
@@ -588,7 +601,68 @@ def test_warp_specialised_kernels_take_the_backward_register_split():
   assert len(modules) == 2                                       # dK/dV, dQ
   for text in modules:
     counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", text))
-    assert counts == [24, mb.CONSUMER_REGISTERS] == [24, 240]
+    assert counts == [24, mb.CONSUMER_REGISTERS[2]] == [24, 240]
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_three_dq_consumers_lower_at_their_register_split(H):
+  """`dq_consumers=3`: the dQ kernel launches four warpgroups, the consumers at
+  CONSUMER_REGISTERS[3] and the producer the rest of the launch's pool (4 x 128 = 3 x
+  160 + 32); the dK/dV kernel keeps two consumers' split. Above head_dim 128 refused."""
+  from tests.test_mosaic import _kernel_modules
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=True, dq_consumers=3)
+  assert config.persistent == (H == 64)      # the default grids with three, as with two
+  dkv, dq = _kernel_modules(_lowered(H, MaskOptions(is_causal=True), config=config,
+                                     num_sms=132))
+  counts = lambda text: sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)",
+                                                          text))
+  assert counts(dkv) == [24, 240] and counts(dq) == [32, mb.CONSUMER_REGISTERS[3]] == [32, 160]
+  q = jnp.zeros((1, 64, 2, 144), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="dq_consumers=3 supports head_dim <= 128"):
+    mb.check_supported(q, q, q, mb.BackwardConfig(consumers=2, dq_consumers=3, dq_block_n=64))
+
+
+def test_three_dq_consumers_by_default_at_128s_tiles_without_a_mask():
+  """call_config: at head_dim 128 and those that take its tiles, without a causal mask,
+  the dQ kernel's DQ_CONSUMERS_AT_128 (rows in shared memory, the persistent grid with
+  one key head per query head); causal calls, other head dims and a caller's
+  dq_consumers, dq_rows_in_registers or fused_dq keep their own."""
+  def config(H, causal=False, K=4, **fields):
+    return mb.call_config((2, 4096, 4, H), (2, 4096, K, H), 2, causal=causal, **fields)
+  for H in (80, 96, 128):
+    three = config(H)
+    assert (three.dq_consumers, three.dq_rows_in_registers, three.persistent) == (
+        mb.DQ_CONSUMERS_AT_128, False, True), H
+    assert config(H, K=1).dq_consumers == mb.DQ_CONSUMERS_AT_128          # MQA
+    assert not config(H, K=1).persistent                                   # as with two
+    assert config(H, causal=True).dq_consumers is None, H
+    assert mb.smem_bytes(H, 2, three) <= mf.SMEM_BYTES
+  assert config(64).dq_consumers is None
+  assert config(192).dq_consumers == mb.DQ_CONSUMERS_ABOVE_128
+  # Where three consumers' Q and dO beside the caller's K/V slots exceed shared memory,
+  # two with their rows in registers, as the kernels run them.
+  many = config(128, stages=5)
+  assert mb.smem_bytes(128, 2, dataclasses.replace(many, dq_consumers=3)) > mf.SMEM_BYTES
+  assert (many.dq_consumers, many.dq_rows_in_registers) == (None, True)
+  assert mb.smem_bytes(128, 2, many) <= mf.SMEM_BYTES
+  kept = config(128, dq_rows_in_registers=True)
+  assert (kept.dq_consumers, kept.dq_rows_in_registers) == (None, True)
+  assert config(128, dq_consumers=2).dq_rows_in_registers
+  assert config(128, fused_dq=True).dq_consumers is None
+
+
+@pytest.mark.parametrize("H", [96, 128])
+def test_lowers_the_default_three_dq_consumers(H):
+  """The default at head_dim 80-128 without a causal mask (DQ_CONSUMERS_AT_128), one
+  key head per query head: both kernels persistent, the dQ kernel's four warpgroups at
+  CONSUMER_REGISTERS[3] with Q and dO read from shared memory."""
+  from tests.test_mosaic import _kernel_modules
+  config = mb.call_config((2, 200, 4, H), (2, 330, 4, H), 2, causal=False)
+  assert (config.dq_consumers, config.persistent) == (3, True)
+  dkv, dq = _kernel_modules(_lowered(H, MaskOptions(), config=config, num_sms=132, K=4))
+  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", dq))
+  assert counts == [32, mb.CONSUMER_REGISTERS[3]]
+  assert _first_products_a(dq, 64) == {"shared"}
 
 
 def _first_products_a(module: str, n: int) -> set[str]:
@@ -782,6 +856,42 @@ def test_interpreted_persistent_grids(H, group_splits, causal, l2_group):
   got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
                           opts=MaskOptions(is_causal=causal), interpret=True, num_sms=3)
   _check_grads(got, q, k, v, do, is_causal=causal, scale=H ** -0.5)
+
+
+@pytest.mark.parametrize("causal,persistent,dq_block_n", [(True, False, 64),
+                                                          (True, True, 128),
+                                                          (False, True, 64)])
+def test_interpreted_three_dq_consumers(causal, persistent, dq_block_n):
+  """`dq_consumers=3`: a producer streams K and V to three consumers of 64 query rows
+  (programs of 192), GQA 4/2 with tails (T = 300: a whole block and one of 108 rows,
+  padded in the wrapper; S = 150), on launched grids and on two persistent programs
+  (items of different lengths under a causal mask, the slots' count going on across
+  them), beside d = 64's dK/dV tiles of 128 with lse and delta streamed: all three
+  gradients within the 2x rule. (dQ is not the two-consumer kernel's to the bit: a
+  row's tile may be FULL in one block layout and masked element-wise in the other,
+  and the compiler may contract the two forms' exponent arithmetic differently.)"""
+  q, k, v, do = random_qkv((1, 300, 150, 4, 2, 64), jnp.bfloat16, seed=11)
+  out, lse = jflash.attention(q, k, v, is_causal=causal, implementation="xla",
+                              return_residuals=True)
+  base = dict(consumers=2, block_n=128, stats_streamed=True, dq_block_n=dq_block_n,
+              persistent=persistent)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125,
+                          config=mb.BackwardConfig(**base, dq_consumers=3),
+                          opts=MaskOptions(is_causal=causal), interpret=True, num_sms=2)
+  _check_grads(got, q, k, v, do, is_causal=causal, scale=0.125)
+
+
+def test_interpreted_default_three_dq_consumers_at_128():
+  """The default without a causal mask at head_dim 128 (DQ_CONSUMERS_AT_128, the
+  persistent grids), T = 200 (one program of 192 rows and a padded one) against S =
+  330, on two persistent programs: all three gradients within the 2x rule."""
+  q, k, v, do = random_qkv((1, 200, 330, 2, 2, 128), jnp.bfloat16, seed=12)
+  out, lse = jflash.attention(q, k, v, implementation="xla", return_residuals=True)
+  config = mb.call_config(q.shape, k.shape, 2, causal=False)
+  assert (config.dq_consumers, config.persistent) == (mb.DQ_CONSUMERS_AT_128, True)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=128 ** -0.5, config=config,
+                          opts=MaskOptions(), interpret=True, num_sms=2)
+  _check_grads(got, q, k, v, do, is_causal=False, scale=128 ** -0.5)
 
 
 def test_interpreted_causal_dq_over_several_query_blocks():

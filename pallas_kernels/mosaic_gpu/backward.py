@@ -12,8 +12,9 @@ cap, dK = scale dS'^T Q, dQ = scale dS' K, with delta = rowsum(dO * O) minus the
 cotangent (`backward_statistics`, shared with the Triton kernels).
 
 Two kernels, each program one warpgroup (`BackwardConfig()`; M = 64 rows of every
-warpgroup matrix product) or two and a producer (`consumers=2`, warp-specialised;
-jflash's adapter starts from `call_config`, which takes two and splits a causal
+warpgroup matrix product) or two and a producer (`consumers=2`, warp-specialised; the
+dQ kernel also three, `dq_consumers=3`; jflash's adapter starts from `call_config`,
+which takes two, three dQ consumers where they measured faster, and splits a causal
 call's GQA group over more dK/dV programs when its grid is small) that loads its
 tiles with bulk tensor copies (TMA): the program's fixed operands once, the streamed
 ones double-buffered (the next tile's copies are issued before this tile's products).
@@ -64,7 +65,8 @@ from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep, visit_tiles)
-from pallas_kernels.mosaic_gpu.forward import (LOG2E, MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
+from pallas_kernels.mosaic_gpu.forward import (DEFAULT_CONSUMER_REGISTERS, LOG2E,
+                                               MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
                                                SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_l2_group,
                                                check_shared_memory,
@@ -96,8 +98,10 @@ def by_role(head_dim: int) -> bool:
 # ptxas spilled it at the forward's 232. On the H200, fwd+bwd TF/s in one device call
 # (two processes; mosaic_bwd_regs240_h200.log against mosaic_bwd_regs232_h200.log) at
 # 16K d128: 527.5 against 490.1, causal 505.5 against 470.4, MQA 16/1 545.8 against
-# 500.4.
-CONSUMER_REGISTERS = 240
+# 500.4. Three consumers (the dQ kernel's `dq_consumers=3`) take FlashAttention-3's
+# three-consumer split, 160 / 160 / 160 / 32, the most a launch of four warpgroups
+# leaves them beside the producer's floor (`forward.launch_registers`).
+CONSUMER_REGISTERS = {2: 240, 3: DEFAULT_CONSUMER_REGISTERS[3]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,7 @@ class BackwardConfig:
     operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
     tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
     through `stages` slots (FlashAttention-3's warp specialisation), the consumers at
-    CONSUMER_REGISTERS. Both correct on the H200; two the faster (`call_config`). At
+    CONSUMER_REGISTERS[2]. Both correct on the H200; two the faster (`call_config`). At
     head dims above 128 only two: they share the program's 64 keys by role (`by_role`).
   fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
     tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
@@ -122,7 +126,7 @@ class BackwardConfig:
     products per tile pair, not seven) and the dQ kernel does not run. The order of
     the float adds into dQ varies between runs: not bit-identical on repeat, which
     the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
-    d = 128 fwd+bwd 441.7 TF/s with two consumers at CONSUMER_REGISTERS against 527.5
+    d = 128 fwd+bwd 441.7 TF/s with two consumers at CONSUMER_REGISTERS[2] against 527.5
     without it and 464.7 with the Triton backward, in one process,
     mosaic_bwd_regs240_h200.log): at 232 registers ptxas serialised its matrix
     products for want of registers and spilled (experiments/results/ptxas_h200/: the
@@ -154,8 +158,8 @@ class BackwardConfig:
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers in
-    both kernels (not with dq_consumers=1), not with fused_dq, not at the head dims
-    split by role. The default where it measured faster (`persistent_wins`).
+    the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not with
+    fused_dq, not at the head dims split by role. The default where it measured faster (`persistent_wins`).
   dq_consumers: the dQ kernel's consumer warpgroups where they differ from
     `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
     split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
@@ -164,7 +168,9 @@ class BackwardConfig:
     V, two consumers of 64 query rows each) where it fits shared memory: with
     dq_block_n 64 and `stages` 2 up to d = 224 (three slots fit up to d = 176); the
     dQ kernel's slots are then `stages`, not the one warpgroup's two. `call_config`
-    takes it there where it fits (DQ_CONSUMERS_ABOVE_128).
+    takes it there where it fits (DQ_CONSUMERS_ABOVE_128). 3: three consumers of 64
+    query rows (192 per program) share the producer's K and V tiles, at
+    CONSUMER_REGISTERS[3]; up to head_dim 128.
   stats_streamed: the dK/dV kernel's producer also streams each query tile's lse and
     delta ([block_n] float32 each) into shared-memory slots beside Q and dO, and the
     consumers read lse after S^T's product and delta after dP^T's (JAX's Mosaic GPU
@@ -231,8 +237,8 @@ class BackwardConfig:
         or self.group_splits < 1:
       raise ValueError(f"group_splits={self.group_splits!r} must be a positive int")
     if self.dq_consumers is not None and (isinstance(self.dq_consumers, bool)
-                                          or self.dq_consumers not in (1, 2)):
-      raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1 or 2")
+                                          or self.dq_consumers not in (1, 2, 3)):
+      raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1, 2 or 3")
     if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers
                           or self.dq_consumers is not None):
       raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
@@ -240,8 +246,8 @@ class BackwardConfig:
                        f"{self.dq_rows_in_registers!r} are its fields")
     check_l2_group(self.l2_group)
     if self.persistent and self.dq_consumers == 1:
-      raise ValueError("persistent=True runs programs of two consumers: dq_consumers=1 "
-                       "needs persistent=False")
+      raise ValueError("persistent=True runs programs of a producer and consumers: "
+                       "dq_consumers=1 needs persistent=False")
     if self.persistent and (self.consumers != 2 or self.fused_dq):
       raise ValueError(f"persistent=True runs programs of two consumers and a producer "
                        f"with a dQ kernel: got consumers={self.consumers}, "
@@ -289,6 +295,24 @@ CAUSAL_MIN_PROGRAMS = 512
 # d192 (mosaic_backward_check_dq2_h200.json). One warpgroup's dQ program loads its K
 # and V tiles between its own products; two consumers share a producer's stream.
 DQ_CONSUMERS_ABOVE_128 = 2
+
+# At head_dim 128 and those that take its tiles, without a causal mask, the dQ kernel's
+# three consumers (192 query rows per program on one producer's K and V stream, at
+# CONSUMER_REGISTERS[3], their Q and dO in shared memory) against two with their rows in
+# registers. fwd+bwd TF/s on the H200, one process, 5 rounds, the benchmark's input
+# rotation (mosaic_bwd_dq3_time_h200.json): 16K d128 546.4 against 538.9, 2K 470.4
+# against 462.8, 1K 409.6 against 409.6, GQA 32/8 8K 532.2 against 523.4, MQA 16/1 16K
+# 555.2 against 546.5, T = S = 3000 482.2 against 472.4, the decoder LM's shape
+# unmasked 475.6 against 477.4; off the table (mosaic_bwd_dq3_off_table_time_h200.json)
+# 4K d96 460.3 against 447.7, d80 405.9 against 380.0, GQA 32/8 8K d96 464.8 against
+# 455.8, 1K d96 368.2 against 354.6. With a causal mask within two calls' spread
+# (mosaic_bwd_dq3_causal_time_h200.json: 16K 534.4 against 531.6, GQA 32/8 8K 510.7
+# against 505.7, MQA 16/1 16K 539.9 against 528.3; an earlier call, mosaic_notes.md:
+# 16K 529.6 against 533.5, MQA 533.8 against 526.7), so causal calls keep two. A dQ
+# program reads each K and V tile once for all its rows: three consumers for 192
+# rows, two for 128. At 160 registers the rows cannot also sit in registers (16K d128
+# 427.6 against 550.6, mosaic_bwd_dq3_rows_in_registers_time_h200.json).
+DQ_CONSUMERS_AT_128 = 3
 
 # At head_dim 64, unless the caller set block_n, dq_block_n or stats_streamed: with two
 # consumers, tiles of 128 in both kernels (query rows of the dK/dV kernel, key rows of
@@ -396,6 +420,10 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
   consumers, at head_dim 64 causal ones in groups of L2_GROUP tiles per head from
   L2_GROUP_MIN_PAIRS (batch, key head) pairs unless the caller set l2_group;
+  unless the caller set dq_consumers or dq_rows_in_registers, at head_dim 128 and those
+  that take its tiles (80-128) without a causal mask, with two dK/dV consumers and a dQ
+  kernel, the dQ kernel's DQ_CONSUMERS_AT_128 (rows in shared memory) where they fit
+  shared memory;
   unless the caller set dq_consumers, above head_dim 128 the dQ kernel's
   DQ_CONSUMERS_ABOVE_128 on key tiles of 64 where they fit shared memory; for a
   causal call whose dK/dV grid has fewer than CAUSAL_MIN_PROGRAMS programs and no
@@ -414,6 +442,11 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
     two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
     if smem_bytes(H, itemsize, two) <= SMEM_BYTES:
       config = two
+  if (table_head_dim(H) == 128 and not causal and config.consumers == 2 and not config.fused_dq
+      and not {"dq_consumers", "dq_rows_in_registers"} & set(fields)):
+    three = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_AT_128)
+    if smem_bytes(H, itemsize, three) <= SMEM_BYTES:
+      config = three
   # Against Q and dO read from shared memory, fwd+bwd in alternating rounds of one
   # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
   # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
@@ -422,7 +455,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
       and "dq_rows_in_registers" not in fields):
     config = dataclasses.replace(config, dq_rows_in_registers=True)
   if (persistent_wins(causal=causal, group=group, head_dim=H) and config.consumers == 2
-      and dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
+      and dq_consumers_of(H, config) >= 2 and not by_role(H) and not config.fused_dq
       and "persistent" not in fields):
     config = dataclasses.replace(config, persistent=True)
   if (causal and config.persistent and H == 64 and "l2_group" not in fields
@@ -518,6 +551,12 @@ def group_split_error(group: int, splits: int) -> str | None:
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, "backward")
+  if config.dq_consumers == 3 and q.shape[-1] > 128:
+    # As the forward's three consumers (forward.check_supported): ptxas holds their
+    # products to a launch of four warpgroups' 128 registers per thread, and only what
+    # ran on the H200 with three is taken, up to head_dim 128.
+    raise NotImplementedError(f"dq_consumers=3 supports head_dim <= 128, got "
+                              f"head_dim={q.shape[-1]}")
   why = by_role_error(q.shape[-1], config)
   if why:
     raise NotImplementedError(why)
@@ -742,7 +781,7 @@ def _warp_specialised(wg, consumers, produce, consume):
   `consume(wg)` with the registers it gives up (setmaxnreg)."""
   plgpu = _plgpu()
   consumer_registers, producer_registers = MosaicConfig(
-      consumers=consumers, consumer_registers=CONSUMER_REGISTERS).register_split()
+      consumers=consumers, consumer_registers=CONSUMER_REGISTERS[consumers]).register_split()
 
   @pl.when(wg == consumers)
   def _():
@@ -856,8 +895,9 @@ class _PersistentGrid(NamedTuple):
   l2_group: int
 
 
-def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake):
-  """A persistent program of two consumers and a producer: the producer runs
+def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake,
+                    consumers=2):
+  """A persistent program of `consumers` consumers and a producer: the producer runs
   produce(item, count) -> count over this program's work items (`_for_each_item`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
   runs consume(wg, item, count) -> count over the same items."""
@@ -870,7 +910,7 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
   def consume_all(wg):
     _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
                    snake)
-  _warp_specialised(lax.axis_index("wg"), 2, produce_all, consume_all)
+  _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
@@ -1182,11 +1222,11 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
                consumers, stages, rows_in_registers=False, persistent=None):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
-  One consumer streams its own key tiles (double buffering); two share the key tiles
-  a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
+  One consumer streams its own key tiles (double buffering); two or three share the
+  key tiles a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
-  program of two consumers loops over work items (query block, head, batch) of the
+  program of a producer and its consumers loops over work items (query block, head, batch) of the
   grid it stands for."""
   r = dict(zip(names, refs))
   bq = ROWS
@@ -1229,7 +1269,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
                       lambda wg: consume_as(wg, i, consume))
     return
 
-  assert consumers == 2, consumers   # config validation: two consumers only
+  assert consumers >= 2, consumers   # config validation: a producer and consumers
 
   def item_of(w):
     q, n, b = item_coords(w, persistent.sizes, opts.is_causal, persistent.l2_group)
@@ -1238,7 +1278,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   _run_persistent(persistent, slots, item_of,
                   lambda item, count: produce(item.srcs, item.b, item.i, count),
                   lambda wg, item, count: consume_as(wg, item.i, item.consume, count),
-                  snake=opts.is_causal)
+                  snake=opts.is_causal, consumers=consumers)
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
