@@ -147,9 +147,9 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     mosaic_bwd_regs240_h200.log, with the dQ kernel's rows then in shared memory; in
     registers, the default since, 1.009x and 1.027x that,
     ab_dq_rows_in_registers_h200.json; without a causal mask three dQ consumers
-    since, `_bwd.DQ_CONSUMERS_AT_128`, 1.014x that), off whole tiles too, whose tails it reads in
-    place (T = S = 3000, batch 4, 16 heads: 479.6 against 423.9, causal 406.3 against
-    365.3, mosaic_bwd_tails_time_h200.json; padded in HBM it had run 299.8 causal
+    since, `_bwd.DQ_CONSUMERS_AT_128`, 1.014x that), off whole tiles too, whose tails
+    it reads in place (T = S = 3000, batch 4, 16 heads: 479.6 against 423.9, causal
+    406.3 against 365.3, mosaic_bwd_tails_time_h200.json; padded in HBM it had run 299.8 causal
     where the Triton backward ran 335, bench_model_h200.json); shorter, the Triton
     backward;
   - either way not when the call is causal and its dK/dV grid, with the config's
@@ -182,8 +182,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   GQA 32/8 8K d96 467.4 against 372.5, causal 460.7 against 380.4, and 1K d96 380.5
   against 335.2, causal 244.3 against 238.4 where the rule keeps the Triton one;
   mosaic_off_table_rule_time_h200.json; without a causal mask three dQ consumers
-  since, faster again, `_bwd.DQ_CONSUMERS_AT_128`); above 128 the rule of 256 (d192, 8 heads:
-  398.9 against 372.4, causal 371.5 against 335.7 with one dQ warpgroup; with the
+  since, faster again, `_bwd.DQ_CONSUMERS_AT_128`); above 128 the rule of 256 (d192,
+  8 heads: 398.9 against 372.4, causal 371.5 against 335.7 with one dQ warpgroup; with the
   two dQ consumers now taken there, 433.1 and 399.0 against the Triton backward's
   361.8 and 325.1, mosaic_bwd_dq2_d192_time_h200.json)."""
   own = cfg.backend_config(MosaicGPUConfig)

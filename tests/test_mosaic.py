@@ -323,6 +323,11 @@ def _kernel_modules(lowered: str) -> list[str]:
   return mosaic_modules(lowered)
 
 
+def _register_counts(module: str) -> list[int]:
+  """The register counts a Mosaic GPU module's warpgroups set (setmaxnreg), sorted."""
+  return sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+
+
 @pytest.mark.parametrize("H, config", [
     (256, dict(block_q=64, block_k=64)), (64, dict(block_q=64, block_k=256)),
     (128, dict(block_q=128, block_k=64)), (64, dict(block_q=64, block_k=128, overlap=True))])
@@ -345,7 +350,7 @@ def test_lowers_three_consumers_with_their_register_split():
   config = mf.MosaicConfig(64, 128, 2, persistent=True, **THREE_CONSUMERS)
   assert config.register_split() == (160, 32)          # 4 x 128 = 3 x 160 + 32
   module = _kernel_module(_lowered(64, MaskOptions(is_causal=True), config=config))
-  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+  counts = _register_counts(module)
   assert counts == [32, 160]
 
 
@@ -354,7 +359,7 @@ def test_register_split_reaches_the_kernel(consumer, producer):
   config = dataclasses.replace(mf.default_config(256), consumer_registers=consumer)
   assert config.register_split() == (consumer, producer)
   module = _kernel_module(_lowered(256, MaskOptions(), config=config))
-  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+  counts = _register_counts(module)
   assert counts == sorted([consumer, producer])
 
 

@@ -493,12 +493,12 @@ def test_lowers_two_dq_consumers_above_head_dim_128(H, causal):
   """The default warp-specialised dQ kernel at head dims split by role, from the
   narrowest to the widest that fit: three warpgroups, the consumers at the backward's
   register split."""
-  from tests.test_mosaic import _kernel_modules
+  from tests.test_mosaic import _kernel_modules, _register_counts
   config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal)
   assert mb.dq_consumers_of(H, config) == 2
   modules = _kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))
   assert len(modules) == 2 and all("wgmma" in m for m in modules)
-  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", modules[1]))
+  counts = _register_counts(modules[1])
   assert counts == [24, mb.CONSUMER_REGISTERS[2]]
 
 
@@ -582,25 +582,23 @@ def test_lowers_warp_specialised(H):
 
 
 def test_head_dim_256_kernels():
-  """The dK/dV kernel split by role runs two consumers at CONSUMER_REGISTERS and a
+  """The dK/dV kernel split by role runs two consumers at CONSUMER_REGISTERS[2] and a
   producer; the dQ kernel one warpgroup (no register reallocation)."""
-  from tests.test_mosaic import _kernel_modules
+  from tests.test_mosaic import _kernel_modules, _register_counts
   dkv, dq = _kernel_modules(_lowered(256, MaskOptions(is_causal=True),
                                      config=mb.BackwardConfig(consumers=2)))
-  counts = lambda text: sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)",
-                                                          text))
-  assert counts(dkv) == [24, 240] and counts(dq) == []
+  assert _register_counts(dkv) == [24, 240] and _register_counts(dq) == []
 
 
 def test_warp_specialised_kernels_take_the_backward_register_split():
-  """Both kernels' consumers get CONSUMER_REGISTERS and the producer the rest of the
+  """Both kernels' consumers get CONSUMER_REGISTERS[2] and the producer the rest of the
   launch's pool of three warpgroups (3 x 168 = 2 x 240 + 24)."""
-  from tests.test_mosaic import _kernel_modules
+  from tests.test_mosaic import _kernel_modules, _register_counts
   lowered = _lowered(128, MaskOptions(is_causal=True), config=mb.BackwardConfig(consumers=2))
   modules = _kernel_modules(lowered)
   assert len(modules) == 2                                       # dK/dV, dQ
   for text in modules:
-    counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", text))
+    counts = _register_counts(text)
     assert counts == [24, mb.CONSUMER_REGISTERS[2]] == [24, 240]
 
 
@@ -609,14 +607,13 @@ def test_three_dq_consumers_lower_at_their_register_split(H):
   """`dq_consumers=3`: the dQ kernel launches four warpgroups, the consumers at
   CONSUMER_REGISTERS[3] and the producer the rest of the launch's pool (4 x 128 = 3 x
   160 + 32); the dK/dV kernel keeps two consumers' split. Above head_dim 128 refused."""
-  from tests.test_mosaic import _kernel_modules
+  from tests.test_mosaic import _kernel_modules, _register_counts
   config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=True, dq_consumers=3)
   assert config.persistent == (H == 64)      # the default grids with three, as with two
   dkv, dq = _kernel_modules(_lowered(H, MaskOptions(is_causal=True), config=config,
                                      num_sms=132))
-  counts = lambda text: sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)",
-                                                          text))
-  assert counts(dkv) == [24, 240] and counts(dq) == [32, mb.CONSUMER_REGISTERS[3]] == [32, 160]
+  assert _register_counts(dkv) == [24, 240]
+  assert _register_counts(dq) == [32, mb.CONSUMER_REGISTERS[3]] == [32, 160]
   q = jnp.zeros((1, 64, 2, 144), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="dq_consumers=3 supports head_dim <= 128"):
     mb.check_supported(q, q, q, mb.BackwardConfig(consumers=2, dq_consumers=3, dq_block_n=64))
@@ -656,11 +653,11 @@ def test_lowers_the_default_three_dq_consumers(H):
   """The default at head_dim 80-128 without a causal mask (DQ_CONSUMERS_AT_128), one
   key head per query head: both kernels persistent, the dQ kernel's four warpgroups at
   CONSUMER_REGISTERS[3] with Q and dO read from shared memory."""
-  from tests.test_mosaic import _kernel_modules
+  from tests.test_mosaic import _kernel_modules, _register_counts
   config = mb.call_config((2, 200, 4, H), (2, 330, 4, H), 2, causal=False)
   assert (config.dq_consumers, config.persistent) == (3, True)
   dkv, dq = _kernel_modules(_lowered(H, MaskOptions(), config=config, num_sms=132, K=4))
-  counts = sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", dq))
+  counts = _register_counts(dq)
   assert counts == [32, mb.CONSUMER_REGISTERS[3]]
   assert _first_products_a(dq, 64) == {"shared"}
 

@@ -159,7 +159,8 @@ class BackwardConfig:
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers in
     the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not with
-    fused_dq, not at the head dims split by role. The default where it measured faster (`persistent_wins`).
+    fused_dq, not at the head dims split by role. The default where it measured faster
+    (`persistent_wins`).
   dq_consumers: the dQ kernel's consumer warpgroups where they differ from
     `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
     split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
@@ -439,14 +440,10 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
     config = tiles_at_64(config, itemsize)
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
       and (config.dq_block_n or config.block_n) == ROWS):
-    two = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_ABOVE_128)
-    if smem_bytes(H, itemsize, two) <= SMEM_BYTES:
-      config = two
-  if (table_head_dim(H) == 128 and not causal and config.consumers == 2 and not config.fused_dq
-      and not {"dq_consumers", "dq_rows_in_registers"} & set(fields)):
-    three = dataclasses.replace(config, dq_consumers=DQ_CONSUMERS_AT_128)
-    if smem_bytes(H, itemsize, three) <= SMEM_BYTES:
-      config = three
+    config = where_it_fits(config, H, itemsize, dq_consumers=DQ_CONSUMERS_ABOVE_128)
+  if (table_head_dim(H) == 128 and not causal and config.consumers == 2
+      and not config.fused_dq and not {"dq_consumers", "dq_rows_in_registers"} & set(fields)):
+    config = where_it_fits(config, H, itemsize, dq_consumers=DQ_CONSUMERS_AT_128)
   # Against Q and dO read from shared memory, fwd+bwd in alternating rounds of one
   # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
   # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
@@ -470,6 +467,13 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
         break
       config = split
   return config
+
+
+def where_it_fits(config: BackwardConfig, head_dim: int, itemsize: int,
+                  **changes) -> BackwardConfig:
+  """`config` with `changes` where that fits shared memory (`smem_bytes`), else `config`."""
+  changed = dataclasses.replace(config, **changes)
+  return changed if smem_bytes(head_dim, itemsize, changed) <= SMEM_BYTES else config
 
 
 def tiles_at_64(config: BackwardConfig, itemsize: int) -> BackwardConfig:
@@ -781,7 +785,8 @@ def _warp_specialised(wg, consumers, produce, consume):
   `consume(wg)` with the registers it gives up (setmaxnreg)."""
   plgpu = _plgpu()
   consumer_registers, producer_registers = MosaicConfig(
-      consumers=consumers, consumer_registers=CONSUMER_REGISTERS[consumers]).register_split()
+      consumers=consumers,
+      consumer_registers=CONSUMER_REGISTERS[consumers]).register_split()
 
   @pl.when(wg == consumers)
   def _():
@@ -1226,8 +1231,8 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   key tiles a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
-  program of a producer and its consumers loops over work items (query block, head, batch) of the
-  grid it stands for."""
+  program of a producer and its consumers loops over work items (query block, head,
+  batch) of the grid it stands for."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
