@@ -309,10 +309,13 @@ DQ_CONSUMERS_ABOVE_128 = 2
 # 455.8, 1K d96 368.2 against 354.6. With a causal mask within two calls' spread
 # (mosaic_bwd_dq3_causal_time_h200.json: 16K 534.4 against 531.6, GQA 32/8 8K 510.7
 # against 505.7, MQA 16/1 16K 539.9 against 528.3; an earlier call, mosaic_notes.md:
-# 16K 529.6 against 533.5, MQA 533.8 against 526.7), so causal calls keep two. A dQ
-# program reads each K and V tile once for all its rows: three consumers for 192
-# rows, two for 128. At 160 registers the rows cannot also sit in registers (16K d128
-# 427.6 against 550.6, mosaic_bwd_dq3_rows_in_registers_time_h200.json).
+# 16K 529.6 against 533.5, MQA 533.8 against 526.7) and slower on the decoder LM's
+# shape in a third call, 7 rounds (mosaic_bwd_dq3_causal_time2_h200.json: 432.9 against
+# 455.6; the LM itself 1.015x cuDNN's tokens/s against 1.033x,
+# seq_scaling_gpu_lm_dq3_causal.json and seq_scaling_gpu_lm.json), so causal calls keep
+# two. A dQ program reads each K and V tile once for all its rows: three consumers for
+# 192 rows, two for 128. At 160 registers the rows cannot also sit in registers (16K
+# d128 427.6 against 550.6, mosaic_bwd_dq3_rows_in_registers_time_h200.json).
 DQ_CONSUMERS_AT_128 = 3
 
 # At head_dim 64, unless the caller set block_n, dq_block_n or stats_streamed: with two
