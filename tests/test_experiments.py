@@ -509,3 +509,25 @@ def test_launch_model_orders_are_the_grid_and_balance_as_stated():
   assert lm.pairs_per_round(lm.tile_group_order(blocks, heads, batch, 4)) == 33.0
   # one program per multiprocessor: the launch ends with the heaviest program
   assert lm.imbalance([(0, 0, 0)] * 3, 1, 1.0, fill=0.0, sms=3) == 1.0
+
+
+def test_compile_time_measures_each_variant_in_a_fresh_process(tmp_path):
+  run_script("compile_time", tmp_path, "--repeat", "2", "--forward-first", "--name", "ct")
+  rows = load(tmp_path, "ct")["rows"]
+  assert [r["repeat"] for r in rows] == [0, 1] and all(r["status"] == "ok" for r in rows), rows
+  assert rows[0]["pid"] != rows[1]["pid"]
+  for r in rows:
+    for step in ("fwd_train", "fwd+bwd"):
+      t = r[step]
+      assert t["compile_s"] > 0 and t["first_call_s"] >= t["lower_s"] + t["compile_s"] - 0.02
+
+
+def test_compile_time_records_a_failed_process_and_goes_on(tmp_path):
+  from experiments import compile_time
+  path = compile_time.main(["--shape", "1,64,2,32", "--implementation", "no_such_impl",
+                            "--repeat", "2", "--out-dir", str(tmp_path), "--name", "ct"])
+  rows = json.loads(path.read_text())["rows"]
+  assert [r["status"] for r in rows] == ["error", "error"], rows
+  assert "no_such_impl" in rows[0]["error"]
+  with pytest.raises(SystemExit):
+    compile_time.parse_args(["--variants", "[{"])

@@ -312,6 +312,19 @@ def test_lowers_persistent(causal, order):
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
 
 
+@pytest.mark.parametrize("H", [128, 256])
+def test_persistent_kernel_holds_one_copy_of_the_item(H):
+  """A persistent program runs every work item through one traced body, so its module
+  holds as many matrix products as the launched grid's program of one item (a second
+  copy of the body cost 1.9-3.6 s of the first call of a 4K d256 fwd+bwd on the H200:
+  experiments/results/compile_time_h200.json)."""
+  config = mf.default_config(H, False)
+  opts = MaskOptions(is_causal=False)
+  products = [_kernel_module(_lowered(H, opts, config=dataclasses.replace(
+      config, persistent=persistent))).count("wgmma.mma_async") for persistent in (False, True)]
+  assert products[0] > 0 and products[1] == products[0], products
+
+
 def _kernel_module(lowered: str) -> str:
   """The first Mosaic GPU module inside a lowered program, printed as text."""
   return _kernel_modules(lowered)[0]

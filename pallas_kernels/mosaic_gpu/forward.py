@@ -598,8 +598,9 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   def for_each_item(item):
     """Runs `item((query block, head, batch), tiles)` over this program's work items;
     `tiles` counts the key tiles the program has passed through its slots so far (None
-    for the first item), so every warpgroup derives the same slot and barrier phase for
-    each tile. Returns the count after the last item."""
+    in a program of one item; from 0 in a persistent one), so every warpgroup derives
+    the same slot and barrier phase for each tile. Returns the count after the last
+    item."""
     if num_ctas is None:     # one item per program
       if opts.is_causal and config.l2_group > 1:
         # `item_coords`'s groups over the hardware's launch index (batch fastest)
@@ -618,9 +619,10 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       level, head, batch = item_coords(w, items_grid, opts.is_causal, config.l2_group)
       return block_of(level), head, batch
 
-    first = item(coords_of(item_index(jnp.int32(0))), None)
-    return lax.fori_loop(1, steps, lambda t, tiles: item(coords_of(item_index(t)), tiles),
-                         first)
+    # Every item through one traced body, the count from 0: a first item traced on its
+    # own would be a second copy of the kernel's code for ptxas to compile.
+    return lax.fori_loop(0, steps, lambda t, tiles: item(coords_of(item_index(t)), tiles),
+                         jnp.int32(0))
 
   def schedule_arrive():
     if config.ping_pong:
