@@ -70,8 +70,8 @@ from pallas_kernels.mosaic_gpu.forward import (DEFAULT_CONSUMER_REGISTERS, LOG2E
                                                SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_l2_group,
                                                check_shared_memory,
-                                               compiler_params, item_coords, item_schedule,
-                                               map_rows, pad_axis, smem_layout,
+                                               compiler_params, item_coords, map_rows,
+                                               pad_axis, persistent_items, smem_layout,
                                                table_head_dim)
 
 ROWS = 64               # M of one warpgroup matrix product: key rows (dK/dV), query rows (dQ)
@@ -884,15 +884,6 @@ def _count_after(count, tiles):
   return None if count is None else count + tiles()
 
 
-def _for_each_item(num_items, num_ctas, item, snake=False):
-  """The persistent grid's loop: this program (axis "sm") runs its work items
-  (`item_schedule`) as item(w, count) -> count, the count (of streamed tiles) going
-  on from one item to the next from 0; returns the last."""
-  steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
-  return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
-                       jnp.int32(0))
-
-
 class _PersistentGrid(NamedTuple):
   """A kernel's persistent launch (`BackwardConfig.persistent`): `programs` programs
   looping over the `items` work items of the grid of `sizes` they stand for, in
@@ -906,18 +897,18 @@ class _PersistentGrid(NamedTuple):
 def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume, snake,
                     consumers=2):
   """A persistent program of `consumers` consumers and a producer: the producer runs
-  produce(item, count) -> count over this program's work items (`_for_each_item`;
+  produce(item, count) -> count over this program's work items (`persistent_items`;
   item_of(w) gives item w) and then waits for the last slots' release; each consumer
   runs consume(wg, item, count) -> count over the same items."""
   num_items, num_ctas = persistent.items, persistent.programs
 
   def produce_all():
-    pipe.drain(_for_each_item(num_items, num_ctas,
-                              lambda w, count: produce(item_of(w), count), snake))
+    pipe.drain(persistent_items(num_items, num_ctas,
+                                lambda w, count: produce(item_of(w), count), snake))
 
   def consume_all(wg):
-    _for_each_item(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
-                   snake)
+    persistent_items(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
+                     snake)
   _warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)
 
 
