@@ -622,6 +622,11 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("4K d192", 4, 4096, 8, 8, 192),
     ("GQA 32/8 8K d96", 1, 8192, 32, 8, 96),  # grouped heads off the table
     ("1K d96", 16, 1024, 16, 16, 96),         # MHA_PERSISTENT_MIN_SEQ off the table
+    # The persistent grids' last round: with 33 heads the dK/dV kernel's 128-key items
+    # number 32 x 132 (the H200's multiprocessors), every round full, where 16 heads at
+    # 16K (2048 items) and 4 x 32 at 4K (4096) leave the last round 52% and 3% full.
+    ("16K d128 33 heads", 1, 16384, 33, 33, 128),
+    ("4K d64 33 heads", 4, 4096, 33, 33, 64),
 ]
 
 
