@@ -217,9 +217,6 @@ class MosaicGPUConfig(BackendConfig):
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
       head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else
       False; and True.
-    backward_p_in_smem: whenever the Mosaic GPU backward runs, its dK/dV kernel's dV
-      product reads each tile's P^T from shared memory, where its consumers write it, in
-      place of registers (not above head_dim 128, whose kernels always do); None: False.
     backward_l2_group: whenever the Mosaic GPU backward runs on persistent grids with
       a causal mask, consecutive tiles of one head (key tiles of the dK/dV kernel,
       query blocks of the dQ kernel) given to programs that run at once (`l2_group`);
@@ -241,7 +238,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
       "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
-      "backward_p_in_smem": "p_in_smem", "backward_l2_group": "l2_group"}
+      "backward_l2_group": "l2_group"}
 
   block_q: int | None = None
   block_k: int | None = None
@@ -268,7 +265,6 @@ class MosaicGPUConfig(BackendConfig):
   backward_persistent: bool | None = None
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
-  backward_p_in_smem: bool | None = None
   backward_l2_group: int | None = None
 
   def __post_init__(self):

@@ -565,21 +565,6 @@ def test_lowers_with_streamed_statistics_without_the_dv_overlap(H):
   assert modules[0][0] != modules[1][0] and modules[0][1] == modules[1][1]
 
 
-@pytest.mark.parametrize("H", [64, 128])
-def test_lowers_with_p_in_shared_memory(H):
-  """`p_in_smem`: the dK/dV kernel's dV product reads P^T from shared memory, through
-  Mosaic GPU's checks of a register-written tile as a product's operand, at each of
-  d = 64's and d = 128's default tile forms; its dK/dV kernel differs from the
-  default's, its dQ kernel does not."""
-  from tests.test_mosaic import _kernel_modules
-  modules = [_kernel_modules(_lowered(H, MaskOptions(is_causal=True), num_sms=132,
-                                      config=mb.call_config((2, 200, 4, H), (2, 330, 2, H),
-                                                            2, causal=True, **f)))
-             for f in ({"p_in_smem": True}, {})]
-  assert len(modules[0]) == 2 and all("wgmma" in m for m in modules[0])
-  assert modules[0][0] != modules[1][0] and modules[0][1] == modules[1][1]
-
-
 def test_lowers_with_wider_tiles_mqa_and_warpgroup_semantics():
   config = mb.BackwardConfig(block_n=128)
   assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=True), config=config)
@@ -846,25 +831,6 @@ def test_interpreted_streamed_statistics(block_n, persistent, dv_overlap):
   got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
                           opts=MaskOptions(is_causal=True), interpret=True, num_sms=3)
   _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
-
-
-@pytest.mark.parametrize("H", [64, 128])
-def test_interpreted_p_in_shared_memory_is_the_same_arithmetic(H):
-  """`p_in_smem` moves the dV product's P^T operand from registers to shared memory and
-  changes no value: the gradients equal the default's to the bit, at each head dim's
-  default tile form (d = 64: 128-row query tiles with lse and delta streamed, both on
-  persistent grids; d = 128: 64-row tiles), GQA causal with tails, and the default's
-  are within the 2x rule."""
-  q, k, v, do = random_qkv((1, 200, 150, 4, 2, H), jnp.bfloat16, seed=9)
-  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
-                              return_residuals=True)
-  got = [mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, interpret=True, num_sms=3,
-                           opts=MaskOptions(is_causal=True), config=mb.call_config(
-                               q.shape, k.shape, 2, causal=True, **f))
-         for f in ({"p_in_smem": True}, {})]
-  for a, b in zip(*got):
-    assert (np.asarray(a) == np.asarray(b)).all()
-  _check_grads(got[1], q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
 @pytest.mark.parametrize("H,group_splits,causal,l2_group", [(64, 2, True, 1),

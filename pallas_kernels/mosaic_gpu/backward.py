@@ -189,13 +189,6 @@ class BackwardConfig:
     128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
     against 524.1 on 64-row tiles), still behind the default there (539.8;
     mosaic_bwd_stats_streamed_time_h200.json).
-  p_in_smem: the dK/dV kernel's consumers write each tile's P^T (in the input dtype) to
-    shared memory, and the dV product reads it there, in place of holding it in 64 x
-    block_n / 128 registers per thread until that product completes (the kernels split
-    by role pass P^T through shared memory anyway). Those registers are the ones the
-    consumers are short of while they compute dS'^T: ptxas spills 200 bytes in the d =
-    128 dK/dV kernel and 28 at d = 64 (experiments/results/ptxas_h200/). Not at the head
-    dims split by role.
   l2_group: with `persistent` and a causal mask, each kernel's tiles (key tiles of the
     dK/dV kernel, query blocks of the dQ kernel) go to the programs in groups of this
     many consecutive ones of one head (`item_coords`), so that programs running at
@@ -223,7 +216,6 @@ class BackwardConfig:
   persistent: bool = False
   stats_streamed: bool = False
   dv_overlap: bool = True
-  p_in_smem: bool = False
   l2_group: int = 1
 
   def __post_init__(self):
@@ -239,7 +231,7 @@ class BackwardConfig:
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
     for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent",
-                 "stats_streamed", "dv_overlap", "p_in_smem"):
+                 "stats_streamed", "dv_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -509,7 +501,7 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
   way to global memory; with `group_splits` > 1, each consumer's float32 tile of
   partial dK, then dV, on the way to global memory; with `stats_streamed`, the lse
-  and delta slots; with `p_in_smem`, each consumer's P^T tile."""
+  and delta slots."""
   slots = stream_slots(config.consumers, config.stages)
   tile = ROWS * head_dim * itemsize
   streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
@@ -531,8 +523,7 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   fused = 0
   if config.fused_dq:
     fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
-  p_tiles = config.consumers * ROWS * config.block_n * itemsize if config.p_in_smem else 0
-  dkv = fixed + streamed(config.block_n) + fused + partial + p_tiles
+  dkv = fixed + streamed(config.block_n) + fused + partial
   return max(dkv, dq) + SMEM_SLACK
 
 
@@ -543,18 +534,16 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
                             or config.group_splits != 1 or config.dq_rows_in_registers
                             or config.dkv_rows_in_registers or config.persistent
-                            or config.stats_streamed or not config.dv_overlap
-                            or config.p_in_smem):
+                            or config.stats_streamed or not config.dv_overlap):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
             f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
-            f"registers, no persistent grid and its own tile loop (P^T always through "
-            f"shared memory): got "
+            f"registers, no persistent grid and its own tile loop: got "
             f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
             f"group_splits={config.group_splits}, "
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
             f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
             f"persistent={config.persistent}, stats_streamed={config.stats_streamed}, "
-            f"dv_overlap={config.dv_overlap}, p_in_smem={config.p_in_smem}")
+            f"dv_overlap={config.dv_overlap}")
   return None
 
 
@@ -925,7 +914,7 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False, rows_in_registers=False,
-                persistent=None, stats_streamed=False, dv_overlap=True, p_in_smem=False):
+                persistent=None, stats_streamed=False, dv_overlap=True):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
@@ -935,8 +924,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
   registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
   `_PersistentGrid`): each program of two consumers loops over work items (key tile,
-  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`,
-  `p_in_smem`: as `BackwardConfig`'s."""
+  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`:
+  as `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -952,7 +941,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
                         key_layout=key_layout, group=group, group_splits=group_splits,
                         interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
                         rows_in_registers=rows_in_registers, stats_streamed=stats_streamed,
-                        dv_overlap=dv_overlap, p_in_smem=p_in_smem)
+                        dv_overlap=dv_overlap)
 
   if persistent is None:
     j, kv_head, b, head, srcs, key_segments, consume = item_at(
@@ -1005,7 +994,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
                  group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
-                 stats_streamed=False, dv_overlap=True, p_in_smem=False):
+                 stats_streamed=False, dv_overlap=True):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
@@ -1089,16 +1078,10 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       if stats_streamed:
         lse2 = _along_queries(lse_smem, bq, interpret)
       p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
-      p_in = p_t.astype(do_smem.dtype)
-      if p_in_smem:        # the dV product reads P^T from shared memory
-        p_smem = r["p_smem"].at[wg]
-        p_smem[...] = p_in   # the last tile's dV product was waited for
-        plgpu.commit_smem()  # visible to the tensor cores' reads
-        p_in = p_smem
       # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
       # dV product (`dv_overlap`), and dK += dS'^T Q follows it on the tensor cores.
       dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True, overlap=dv_overlap,
-                            then=(dv_acc, p_in, do_smem))
+                            then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
       if stats_streamed:
         delta = _along_queries(delta_smem, bq, interpret)
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
@@ -1422,8 +1405,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   stages, roles = config.stages, by_role(H)
 
   def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
-           partials=False, C=config.consumers, shared_fixed=False, stats=False,
-           p_tiles=False):
+           partials=False, C=config.consumers, shared_fixed=False, stats=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
     padded query length of the float32 dQ the kernel adds to; returns it after the
@@ -1432,8 +1414,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     consumers split one program's fixed rows by role (`_dkv_by_role`): each holds one
     of the two fixed operands, and they pass each other P^T (two slots) and float32
     dP^T (one), each slot with its "ready" and "free" barriers. stats: the lse and
-    delta of each streamed tile stream beside it (`stats_streamed`). p_tiles: each
-    consumer's P^T tile in shared memory (`p_in_smem`)."""
+    delta of each streamed tile stream beside it (`stats_streamed`)."""
     (f1, f2), fixed_rows = fixed
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
@@ -1450,8 +1431,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     if C > 1:      # consumers + the producer warpgroup
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
       threads = dict(num_threads=C + 1, thread_name="wg")
-    if p_tiles:         # each consumer's P^T tile (`p_in_smem`)
-      scratch["p_smem"] = smem((C, fixed_rows, stream_rows))
     if shared_fixed:    # the tiles `_dkv_by_role`'s consumers pass each other
       scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
       scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
@@ -1573,12 +1552,11 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                rows_in_registers=config.dkv_rows_in_registers,
                                persistent=persistent_grid(grid),
                                stats_streamed=config.stats_streamed,
-                               dv_overlap=config.dv_overlap, p_in_smem=config.p_in_smem),
+                               dv_overlap=config.dv_overlap),
              *grid_of(grid, grid_names),
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
-             partials=splits > 1, shared_fixed=roles, stats=config.stats_streamed,
-             p_tiles=config.p_in_smem)
+             partials=splits > 1, shared_fixed=roles, stats=config.stats_streamed)
   dk, dv = dkv[:2]
   if splits > 1:      # in a fixed order, rounded once
     dk, dv = (d.sum(1).astype(k.dtype) for d in (dk, dv))
