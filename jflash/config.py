@@ -169,7 +169,12 @@ class MosaicGPUConfig(BackendConfig):
       dK/dV kernel through float32 reduce-adds in global memory instead of a dQ kernel
       (FlashAttention-3; five matrix products per tile instead of seven, not
       bit-identical on repeat; correct but slower on the H200, where its consumers'
-      live values overflowed their registers); needs backward_block_n 64.
+      live values overflowed their registers); needs backward_block_n 64, or 128 up to
+      head_dim 64.
+    backward_fused_dq_row_split: with backward_fused_dq, two consumers and
+      backward_block_n 128: each consumer adds its 64 of the tile's query rows of dQ
+      over both consumers' keys, so each tile's dQ leaves the program in one reduce-add
+      instead of one per consumer (built and checked interpreted; not yet timed).
     backward_group_splits: whenever the Mosaic GPU backward runs, programs per key tile
       of its dK/dV kernel, each looping over its share of the GQA group's query heads
       and writing float32 partial dK and dV that are summed after the kernel (more
@@ -232,7 +237,8 @@ class MosaicGPUConfig(BackendConfig):
   # The backward fields here, by the name of the Mosaic GPU backward's record.
   backward_field_names: ClassVar[dict[str, str]] = {
       "backward_block_n": "block_n", "backward_consumers": "consumers",
-      "backward_fused_dq": "fused_dq", "backward_group_splits": "group_splits",
+      "backward_fused_dq": "fused_dq", "backward_fused_dq_row_split": "fused_dq_row_split",
+      "backward_group_splits": "group_splits",
       "backward_dq_block_n": "dq_block_n", "backward_dq_consumers": "dq_consumers",
       "backward_dq_rows_in_registers": "dq_rows_in_registers",
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
@@ -256,6 +262,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_block_n: int | None = None
   backward_consumers: int | None = None
   backward_fused_dq: bool | None = None
+  backward_fused_dq_row_split: bool | None = None
   backward_group_splits: int | None = None
   backward_dq_block_n: int | None = None
   backward_dq_consumers: int | None = None

@@ -212,8 +212,8 @@ def test_backward_choice_and_validation():
       (mb.BackwardConfig, dict(consumers=2, dv_overlap=None), "dv_overlap=None"),
       (jflash.MosaicGPUConfig, dict(backward_stats_streamed=True, backward_consumers=1),
        "stats_streamed=True streams"),
-      (jflash.MosaicGPUConfig, dict(backward_persistent=True, backward_fused_dq=True),
-       "fused_dq=True")):
+      (jflash.MosaicGPUConfig, dict(backward_persistent=True, backward_consumers=1),
+       "persistent=True runs programs of two")):
     with pytest.raises(ValueError, match=match):
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
@@ -259,14 +259,30 @@ def test_backward_choice_and_validation():
   # the dQ kernel's slots count where they are wider than the dK/dV kernel's
   assert mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2, dq_block_n=128)) == \
       mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2)) + 2 * 2 * 64 * 128 * 2
-  with pytest.raises(ValueError, match="backward_fused_dq=True needs backward_block_n=64"):
-    jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=128)
+  with pytest.raises(ValueError, match="fused_dq=True needs block_n 64 or 128, not "
+                                      "backward_block_n=192"):
+    jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=192)
+  # the row split needs fused dQ on two consumers' 128-row query tiles
+  for fields in (dict(fused_dq_row_split=True, block_n=128),
+                 dict(fused_dq=True, fused_dq_row_split=True),
+                 dict(fused_dq=True, fused_dq_row_split=True, block_n=128, consumers=1)):
+    with pytest.raises(ValueError, match="fused_dq_row_split=True splits"):
+      mb.two_consumer_config(**fields)
+  # the fused dQ tile's float32 registers bound block_n x head_dim
+  q4, k4, v4 = random_qkv((1, 16, 16, 2, 1, 128), jnp.bfloat16)[:3]
+  with pytest.raises(NotImplementedError, match="block_n=128 at head_dim=128"):
+    mb.check_supported(q4, k4, v4, mb.BackwardConfig(consumers=2, fused_dq=True, block_n=128))
   # A combination that overflows shared memory is refused before it is compiled.
   for H in mf.TABLE_HEAD_DIMS:
     for consumers in (1, 2):
       for fused_dq in (False, True):
         config = mb.BackwardConfig(consumers=consumers, fused_dq=fused_dq)
         assert mb.smem_bytes(H, 2, config) <= mf.SMEM_BYTES
+  # d = 64's tiles with fused dQ, whole or split by rows: both consumers' dS'^T in two
+  # slots take what the whole tile's float32 dQ of each took
+  whole, split = (mb.BackwardConfig(consumers=2, block_n=128, stats_streamed=True, fused_dq=True,
+                                    fused_dq_row_split=row_split) for row_split in (False, True))
+  assert mb.smem_bytes(64, 2, split) == mb.smem_bytes(64, 2, whole) <= mf.SMEM_BYTES
   q128, k128, v128 = random_qkv((1, 16, 16, 2, 1, 128), jnp.bfloat16)[:3]
   big = jflash.prepare(q128, k128, v128, config=jflash.MosaicGPUConfig(
       backward="mosaic_gpu", backward_consumers=2, backward_block_n=256))
@@ -703,13 +719,39 @@ def test_lowers_persistent(H, causal):
     _lowered(H, opts, config=config, num_sms=0)
 
 
-@pytest.mark.parametrize("H,consumers", [(64, 2), (128, 1), (128, 2)])
-def test_lowers_with_dq_in_the_dkv_kernel(H, consumers):
+D64_TILES = dict(block_n=128, stats_streamed=True)     # BLOCK_N_AT_64's form
+
+
+@pytest.mark.parametrize("H,consumers,fields", [
+    (64, 2, {}), (128, 1, {}), (128, 2, {}), (64, 2, D64_TILES),
+    (64, 2, dict(D64_TILES, fused_dq_row_split=True))])
+def test_lowers_with_dq_in_the_dkv_kernel(H, consumers, fields):
   """fused_dq: one kernel (dK/dV, adding dQ with the copy engine's reduce-add), every
-  mask path, tails on both sides."""
+  mask path, tails on both sides; at H = 64 also on d = 64's tiles (128 query rows,
+  lse and delta streamed: the dQ product's M is 128), whole or split by rows between
+  the consumers (two products of [64, 64] transposed dS'^T tiles each)."""
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  config = mb.BackwardConfig(consumers=consumers, fused_dq=True)
+  config = mb.BackwardConfig(consumers=consumers, fused_dq=True, **fields)
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 1
+
+
+def test_lowers_persistent_with_dq_in_the_dkv_kernel():
+  """fused_dq on the persistent grid (d = 64's tiles, dQ split by rows): one kernel of
+  132 programs looping over the dK/dV items, every mask path; under jax.vmap the
+  in-place launch folds the mapped axis into the batch and loops one persistent grid
+  over every problem's items (the grid's size unchanged)."""
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  config = mb.BackwardConfig(consumers=2, fused_dq=True, fused_dq_row_split=True,
+                             persistent=True, **D64_TILES)
+  assert _lowered(64, opts, with_masks=True, config=config, num_sms=132).count(
+      "@mosaic_gpu") == 1
+  q = jax.ShapeDtypeStruct((3, 2, 200, 4, 64), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((3, 2, 4, 200), jnp.float32)
+  f = jax.vmap(lambda q, k, v, out, lse, do: mb.flash_backward(
+      q, k, v, out, lse, do, scale=0.125, opts=opts, config=config, num_sms=132))
+  text = jax.jit(f).trace(q, q, q, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("@mosaic_gpu") == 1
+  assert "tensor<6x256x4x64xf32>" in text      # dQ of 3 x 2 problems, T padded to 256
 
 
 @pytest.mark.parametrize("H,consumers,fused_dq", [(128, 1, False), (128, 2, False),
@@ -789,6 +831,40 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
                           opts=MaskOptions(is_causal=True), interpret=True)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
+
+
+@pytest.mark.parametrize("row_split,persistent", [(False, False), (True, False), (True, True)])
+def test_interpreted_dq_in_the_dkv_kernel_on_d64_tiles(row_split, persistent, monkeypatch,
+                                                       capsys):
+  """fused_dq on d = 64's tiles (128 query rows, lse and delta streamed), the whole
+  tile's dQ added by each consumer or its 64 rows over both consumers' keys
+  (`fused_dq_row_split`: dS'^T through two slots and their "ready" barriers, which
+  alternate over a program's tiles, those of its two query heads in turn; on the
+  persistent grid of two programs, on from one item to the next): GQA causal, T = 200
+  and S = 150 (partial last tiles on both sides)."""
+  q, k, v, do = random_qkv((1, 200, 150, 4, 2, 64), jnp.bfloat16, seed=1)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.BackwardConfig(consumers=2, fused_dq=True, fused_dq_row_split=row_split,
+                             persistent=persistent, **D64_TILES)
+  _watch_races(monkeypatch)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=0.125, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  jax.block_until_ready(got)
+  assert "RACE DETECTED" not in capsys.readouterr().out
+  _check_grads(got, q, k, v, do, is_causal=True, scale=0.125)
+
+
+def _watch_races(monkeypatch):
+  """The interpreter's race detector (happens-before over the simulated shared memory
+  and barriers) on for the kernels interpreted next; races are printed."""
+  import dataclasses
+  from jax._src.pallas.mosaic_gpu.interpret import params
+
+  @dataclasses.dataclass(frozen=True)
+  class Racing(params.InterpretGPUParams):
+    detect_races: bool = True
+  monkeypatch.setattr(params, "InterpretGPUParams", Racing)
 
 
 @pytest.mark.parametrize("consumers", [1, 2])

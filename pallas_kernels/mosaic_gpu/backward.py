@@ -130,7 +130,17 @@ class BackwardConfig:
     without it and 464.7 with the Triton backward, in one process,
     mosaic_bwd_regs240_h200.log): at 232 registers ptxas serialised its matrix
     products for want of registers and spilled (experiments/results/ptxas_h200/: the
-    dQ result beside the dK and dV accumulators did not fit).
+    dQ result beside the dK and dV accumulators did not fit). block_n 64, or 128 up to
+    head_dim 64 (`FUSED_DQ_RESULT`), where d = 64's tiles (BLOCK_N_AT_64 with lse and
+    delta streamed) then run with it: built and checked interpreted, not yet timed.
+  fused_dq_row_split: with fused_dq, two consumers and block_n 128: consumer c adds
+    the tile's dQ rows [64 c, 64 c + 64) over both consumers' 128 keys (each
+    consumer's dS'^T through two shared-memory slots, one barrier arrival and wait per
+    tile), so each tile pair's dQ leaves the program as one reduce-add of
+    [128, head_dim] rather than two: half fused_dq's reduce traffic into L2. At
+    d = 64 a program's tile pair (128 keys, 128 queries) is 10.5 MFLOP over five
+    products and 64 KiB of reduce-adds without the split: 3.75 TB/s into L2 for the
+    card at 600 TF/s, 1.9 with it. Built and checked interpreted, not yet timed.
   dq_block_n: key rows per tile of the dQ kernel (the N of its S and dP), where it
     differs from the dK/dV kernel's block_n; None: block_n.
   dq_rows_in_registers: the dQ kernel's consumers hold their fixed Q and dO rows in
@@ -158,9 +168,11 @@ class BackwardConfig:
     (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
     outputs stored, before and after its loop. Under jax.vmap the launch's batching
     rule adds a grid axis: one persistent grid per mapped problem. Two consumers in
-    the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not with
-    fused_dq, not at the head dims split by role. The default where it measured faster
-    (`persistent_wins`).
+    the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not at the
+    head dims split by role; with fused_dq the dK/dV kernel's alone, whose launch
+    folds a mapped axis into the batch: one persistent grid over every mapped
+    problem's items (built and checked interpreted, not yet timed). The default where
+    it measured faster (`persistent_wins`).
   dq_consumers: the dQ kernel's consumer warpgroups where they differ from
     `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
     split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
@@ -177,7 +189,7 @@ class BackwardConfig:
     consumers read lse after S^T's product and delta after dP^T's (JAX's Mosaic GPU
     kernel), in place of loading both from global memory at the tile's start, where
     they stay live in registers through the tile's products. Two consumers, not at
-    the head dims split by role, not with fused_dq. The default at head_dim 64 with
+    the head dims split by role. The default at head_dim 64 with
     its query tiles of 128 (BLOCK_N_AT_64, which it lets fit the registers); slower
     at 128 (16K fwd+bwd 524.1 TF/s against 539.8 on 64-row tiles).
   dv_overlap: the dK/dV kernel issues dV += P^T dO right behind dP^T = V dO^T and
@@ -208,6 +220,7 @@ class BackwardConfig:
   consumers: int = 1
   stages: int = 2
   fused_dq: bool = False
+  fused_dq_row_split: bool = False
   group_splits: int = 1
   dq_block_n: int | None = None
   dq_consumers: int | None = None
@@ -230,8 +243,8 @@ class BackwardConfig:
     if self.dq_block_n is not None and (not isinstance(self.dq_block_n, int)
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
-    for name in ("fused_dq", "dq_rows_in_registers", "dkv_rows_in_registers", "persistent",
-                 "stats_streamed", "dv_overlap"):
+    for name in ("fused_dq", "fused_dq_row_split", "dq_rows_in_registers",
+                 "dkv_rows_in_registers", "persistent", "stats_streamed", "dv_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -249,25 +262,29 @@ class BackwardConfig:
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of a producer and consumers: "
                        "dq_consumers=1 needs persistent=False")
-    if self.persistent and (self.consumers != 2 or self.fused_dq):
-      raise ValueError(f"persistent=True runs programs of two consumers and a producer "
-                       f"with a dQ kernel: got consumers={self.consumers}, "
-                       f"fused_dq={self.fused_dq}")
+    if self.persistent and self.consumers != 2:
+      raise ValueError(f"persistent=True runs programs of two consumers and a producer: "
+                       f"got consumers={self.consumers}")
     per_slot, why = (4, "four per slot with stats_streamed") if self.stats_streamed else (
         2, "two per slot")
     if per_slot * self.stages > MAX_BARRIERS:
       raise ValueError(f"stages={self.stages} needs {per_slot * self.stages} \"loaded\" "
                        f"barriers ({why}); Mosaic GPU allocates at most {MAX_BARRIERS} "
                        f"in a group")
-    if self.stats_streamed and (self.consumers != 2 or self.fused_dq):
+    if self.stats_streamed and self.consumers != 2:
       raise ValueError(f"stats_streamed=True streams through the producer of two "
-                       f"consumers with a dQ kernel: got consumers={self.consumers}, "
-                       f"fused_dq={self.fused_dq}")
-    if self.fused_dq and self.block_n != ROWS:
-      # The dQ product's M is the tile's query rows: one warpgroup's 64 (more would
-      # double its accumulator registers, on top of dK and dV's).
-      raise ValueError(f"fused_dq=True needs block_n={ROWS} (the default), not "
+                       f"consumers: got consumers={self.consumers}")
+    if self.fused_dq and self.block_n > 2 * ROWS:
+      # The dQ product's M is the tile's query rows, its float32 result beside dK and
+      # dV in the consumer's registers (`check_supported` bounds it by head_dim).
+      raise ValueError(f"fused_dq=True needs block_n {ROWS} or {2 * ROWS}, not "
                        f"block_n={self.block_n}")
+    if self.fused_dq_row_split and not (self.fused_dq and self.consumers == 2
+                                        and self.block_n == 2 * ROWS):
+      raise ValueError(f"fused_dq_row_split=True splits a {2 * ROWS}-row query tile's dQ "
+                       f"between two consumers: it needs fused_dq=True, consumers=2 and "
+                       f"block_n={2 * ROWS}, got fused_dq={self.fused_dq}, consumers="
+                       f"{self.consumers}, block_n={self.block_n}")
 
 
 # Two consumer warpgroups and a producer per program (warp specialisation), from fwd+bwd
@@ -521,7 +538,9 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   if config.stats_streamed:    # lse and delta slots beside Q and dO, each buffer aligned
     fixed += 2 * round_up(slots * config.block_n * 4, SMEM_ALIGN)
   fused = 0
-  if config.fused_dq:
+  if config.fused_dq_row_split:    # two slots of both consumers' dS'^T, 64 dQ rows each
+    fused = config.consumers * ROWS * (2 * config.block_n * itemsize + head_dim * 4)
+  elif config.fused_dq:
     fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
   dkv = fixed + streamed(config.block_n) + fused + partial
   return max(dkv, dq) + SMEM_SLACK
@@ -555,6 +574,12 @@ def group_split_error(group: int, splits: int) -> str | None:
   return None
 
 
+# The fused dQ product's float32 result per consumer, [block_n, head_dim], at most
+# 64 registers per thread of its warpgroup: query tiles of 64 rows up to head_dim 128,
+# of 128 rows up to 64 (where dK and dV take 32 + 32 and S^T, dP^T 64 each).
+FUSED_DQ_RESULT = ROWS * 128
+
+
 def check_supported(q, k, v, config: BackwardConfig):
   """Raises NotImplementedError naming what these kernels cannot run."""
   check_head_dim_and_dtype(q, "backward")
@@ -567,6 +592,11 @@ def check_supported(q, k, v, config: BackwardConfig):
   why = by_role_error(q.shape[-1], config)
   if why:
     raise NotImplementedError(why)
+  if config.fused_dq and config.block_n * q.shape[-1] > FUSED_DQ_RESULT:
+    raise NotImplementedError(
+        f"fused_dq=True holds each tile's float32 dQ, block_n x head_dim, beside dK and dV "
+        f"in a consumer's registers: block_n * head_dim <= {FUSED_DQ_RESULT} (64 per "
+        f"thread), got block_n={config.block_n} at head_dim={q.shape[-1]}")
   why = group_split_error(q.shape[2] // k.shape[2], config.group_splits)
   if why:
     raise NotImplementedError(f"{why} query heads per key head ({q.shape[2]} query heads, "
@@ -913,16 +943,19 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, group_splits=1, fused_dq=False, rows_in_registers=False,
-                persistent=None, stats_streamed=False, dv_overlap=True):
+                stages, group_splits=1, fused_dq=False, row_split=False,
+                rows_in_registers=False, persistent=None, stats_streamed=False,
+                dv_overlap=True):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
   streams its own query tiles (double buffering). Two: each consumer warpgroup owns 64
   keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
   `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
-  (`BackwardConfig.fused_dq`); `rows_in_registers`: K and V enter S^T and dP^T from
-  registers (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
+  (`BackwardConfig.fused_dq`; `row_split`: each consumer its share of the tile's query
+  rows over both consumers' keys, `BackwardConfig.fused_dq_row_split`);
+  `rows_in_registers`: K and V enter S^T and dP^T from registers
+  (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
   `_PersistentGrid`): each program of two consumers loops over work items (key tile,
   key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`:
   as `BackwardConfig`'s."""
@@ -940,7 +973,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     return _dkv_program(r, mm, j, kv_head, split, b, own=own, bk=bk, bq=bq, H=H,
                         key_layout=key_layout, group=group, group_splits=group_splits,
                         interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
-                        rows_in_registers=rows_in_registers, stats_streamed=stats_streamed,
+                        row_split=row_split, rows_in_registers=rows_in_registers,
+                        stats_streamed=stats_streamed,
                         dv_overlap=dv_overlap)
 
   if persistent is None:
@@ -994,7 +1028,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
                  group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
-                 stats_streamed=False, dv_overlap=True):
+                 row_split=False, stats_streamed=False, dv_overlap=True):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
@@ -1062,6 +1096,45 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
 
+    def add_dq_rows(ds_t, t, i, n, q_smem, dk_acc):
+      """dQ[consumer wg's rows] += dS' K over both consumers' keys (`row_split`), and
+      dK += dS'^T Q. Each consumer writes its [64 keys, 128 queries] dS'^T to shared
+      memory slot t % 2 as two [64, 64] query halves, arrives on the slot's "ready"
+      barrier and issues the dK product; once both consumers have arrived, its dQ
+      product takes its 64 query rows from both consumers' dS'^T (read transposed)
+      against both consumers' K rows. The result leaves the program as one reduce-add
+      of [64, head_dim] per consumer: the tile's dQ once, not once per consumer. A
+      slot is rewritten two tiles later, which a consumer reaches only past the other
+      consumer's "ready" arrival of the tile between, made after its dQ product of this
+      tile was waited for: two slots need no "free" barrier (the K rows, rewritten at
+      the item's end, have theirs: "keys_free")."""
+      ds_all, dq_smem, ready = r["ds_smem"], r["dq_smem"].at[wg], r["ds_ready"]
+      slot = lax.rem(t, 2)
+      for half in range(2):
+        ds_all[slot, wg, half] = ds_t[:, half * ROWS:(half + 1) * ROWS]
+      plgpu.commit_smem()          # visible to the tensor cores' reads
+      plgpu.barrier_arrive(ready.at[slot])
+      mm.issue(dk_acc, ds_t, q_smem)
+      plgpu.barrier_wait(ready.at[slot])
+      rows = pl.ds(i * bq + wg * ROWS, ROWS)
+      parts = [(ds_all.at[slot, key_half, wg], r["k_smem"].at[key_half])
+               for key_half in range(2)]
+      if interpret:
+        dq = sum(mm._dot(ds, k, False, a_t=True) for ds, k in parts)
+        dst = r["dq_acc"].at[wg, b, rows, n]
+        dst[...] = dst[...] + dq
+        return
+
+      def run(acc):
+        for ds, k_rows in parts:
+          plgpu.wgmma(acc, plgpu.transpose_ref(ds, (1, 0)), k_rows)
+        return plgpu.wgmma_accumulator_load(acc)     # waits for dK's product too
+      dq = pl.run_scoped(run, plgpu.ACC((ROWS, H), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
+      dq_smem[...] = dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
+
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
       t = counted(g * (hi - lo) + i - lo)
@@ -1085,7 +1158,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       if stats_streamed:
         delta = _along_queries(delta_smem, bq, interpret)
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
-      if fused_dq:
+      if row_split:
+        add_dq_rows(ds_t, t, i, n, q_smem, dk_acc)
+      elif fused_dq:
         add_dq(ds_t, rows, n, q_smem, dk_acc)
       else:
         mm.issue(dk_acc, ds_t, q_smem)
@@ -1102,6 +1177,11 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
           functools.partial(body, g=g, dk_acc=dk_acc, dv_acc=dv_acc), c), 0)
 
     dk, dv = mm.accumulators((bk, H), 2, heads, wg)
+    if row_split:
+      # The other consumer's last dQ products read this one's K rows, which the dK
+      # store below (and a persistent program's next item) overwrites.
+      plgpu.barrier_arrive(r["keys_free"])
+      plgpu.barrier_wait(r["keys_free"])
     if group_splits == 1:
       _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
       _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
@@ -1458,9 +1538,16 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
           grid_names=grid_names, compiler_params=params, **threads, **extra)(*args)
 
     # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
-    # float32 dQ tile for the copy engine.
-    scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-    scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **f32_layout(H))
+    # float32 dQ tile for the copy engine; with the row split, both consumers' dS'^T
+    # tiles in two slots, by key block and query half, and each consumer's 64 rows of dQ.
+    if config.fused_dq_row_split:
+      scratch["ds_smem"] = smem((2, C, 2, ROWS, ROWS))
+      scratch["dq_smem"] = plgpu.SMEM((C, ROWS, H), jnp.float32, **f32_layout(H))
+      scratch["ds_ready"] = plgpu.Barrier(num_arrivals=C, num_barriers=2)
+      scratch["keys_free"] = plgpu.Barrier(num_arrivals=C)
+    else:
+      scratch["ds_smem"] = smem((C, ROWS, stream_rows))
+      scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **f32_layout(H))
     dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
     if interpret:
       # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
@@ -1480,19 +1567,29 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     # launch, with its own batching rule below).
     thread_axis = threads.get("thread_name", ())
 
-    def launch(*refs):
-      pl.run_scoped(functools.partial(body, *refs, names=[
-          *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
-                    *scratch.values(), collective_axes=thread_axis)
+    def launch_over(batch):
+      """(grid, kernel body) of a launch over `batch` batch entries: the grid's last
+      axis, or with `persistent` one persistent grid over every entry's work items."""
+      persistent = kernel.keywords.get("persistent")
+      if persistent is None:
+        return (*grid[:-1], batch), body
+      persistent = persistent_grid((*persistent.sizes[:-1], batch))
+      return (persistent.programs,), functools.partial(body, persistent=persistent)
 
     @jax.custom_batching.custom_vmap
     def in_place_call(*args):
       """The kernel on arrays whose leading axis is the batch (all its inputs and
-      outputs): the grid's last axis is taken from it."""
+      outputs)."""
       batch = args[0].shape[0]
-      mesh = plgpu.Mesh(grid=(*grid[:-1], batch), grid_names=grid_names, **threads)
+      launch_grid, run = launch_over(batch)
+      mesh = plgpu.Mesh(grid=launch_grid, grid_names=grid_names, **threads)
       types = [dq_type, *out_type]
       zeros = [jnp.zeros((batch, *t.shape[1:]), t.dtype) for t in types]
+
+      def launch(*refs):
+        pl.run_scoped(functools.partial(run, *refs, names=[
+            *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
+                      *scratch.values(), collective_axes=thread_axis)
 
       def in_place(refs):
         pl.kernel(launch, out_type=(), mesh=mesh, compiler_params=params,
@@ -1549,6 +1646,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
   dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
+                               row_split=config.fused_dq_row_split,
                                rows_in_registers=config.dkv_rows_in_registers,
                                persistent=persistent_grid(grid),
                                stats_streamed=config.stats_streamed,
