@@ -36,6 +36,10 @@ declare -A CASES=(
   [fwd_d128]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only"
   [bwd_d128_ws]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_consumers\":2}"
   [bwd_d128_fused2]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_consumers\":2}"
+  # dQ in the dK/dV kernel on d = 64's tiles, each consumer's whole tile or its rows
+  # (fused_dq_row_split): do the dK/dV accumulators, S^T, dP^T and the dQ result fit?
+  [bwd_d64_fused]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true}"
+  [bwd_d64_fused_rows]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true,\"backward_fused_dq_row_split\":true}"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
