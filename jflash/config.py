@@ -173,8 +173,9 @@ class MosaicGPUConfig(BackendConfig):
       head_dim 64.
     backward_fused_dq_row_split: with backward_fused_dq, two consumers and
       backward_block_n 128: each consumer adds its 64 of the tile's query rows of dQ
-      over both consumers' keys, so each tile's dQ leaves the program in one reduce-add
-      instead of one per consumer (built and checked interpreted; not yet timed).
+      over both consumers' keys, so the tile's dQ is added to global memory once
+      ([64, head_dim] by each consumer) instead of once per consumer: half the
+      reduce-adds' bytes (built and checked interpreted; not yet timed).
     backward_group_splits: whenever the Mosaic GPU backward runs, programs per key tile
       of its dK/dV kernel, each looping over its share of the GQA group's query heads
       and writing float32 partial dK and dV that are summed after the kernel (more
@@ -210,14 +211,14 @@ class MosaicGPUConfig(BackendConfig):
     backward_persistent: whenever the Mosaic GPU backward runs, each of its kernels
       launches one program per multiprocessor looping over the work items (two
       consumers in the dK/dV kernel, two or three in the dQ kernel: not with
-      backward_dq_consumers 1, not with
-      backward_fused_dq, not above head_dim 128); None: the kernel's
+      backward_dq_consumers 1, not above head_dim 128; with backward_fused_dq the
+      dK/dV kernel alone, not yet timed); None: the kernel's
       default (`pallas_kernels.mosaic_gpu.backward.persistent_wins`: one key head per
       query head without a causal mask; at head_dim 64 groups of up to 4, causal or
       not).
     backward_stats_streamed, backward_dv_overlap: whenever the Mosaic GPU backward
       runs, its dK/dV kernel's form of a tile: lse and delta streamed beside Q and dO
-      and read where used (two consumers, no fused dQ), and dV's product overlapped
+      and read where used (two consumers), and dV's product overlapped
       with dS^T's computation or not; neither other than the default above head_dim 128
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
       head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else

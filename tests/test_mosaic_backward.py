@@ -259,8 +259,8 @@ def test_backward_choice_and_validation():
   # the dQ kernel's slots count where they are wider than the dK/dV kernel's
   assert mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2, dq_block_n=128)) == \
       mb.smem_bytes(128, 2, mb.BackwardConfig(consumers=2)) + 2 * 2 * 64 * 128 * 2
-  with pytest.raises(ValueError, match="fused_dq=True needs block_n 64 or 128, not "
-                                      "backward_block_n=192"):
+  with pytest.raises(ValueError, match="backward_fused_dq=True needs backward_block_n=64 or "
+                                      "backward_block_n=128, not backward_block_n=192"):
     jflash.MosaicGPUConfig(backward_fused_dq=True, backward_block_n=192)
   # the row split needs fused dQ on two consumers' 128-row query tiles
   for fields in (dict(fused_dq_row_split=True, block_n=128),
@@ -735,23 +735,29 @@ def test_lowers_with_dq_in_the_dkv_kernel(H, consumers, fields):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 1
 
 
-def test_lowers_persistent_with_dq_in_the_dkv_kernel():
-  """fused_dq on the persistent grid (d = 64's tiles, dQ split by rows): one kernel of
-  132 programs looping over the dK/dV items, every mask path; under jax.vmap the
-  in-place launch folds the mapped axis into the batch and loops one persistent grid
-  over every problem's items (the grid's size unchanged)."""
+@pytest.mark.parametrize("H,fields", [(64, dict(D64_TILES, fused_dq_row_split=True)),
+                                      (128, {})])
+def test_lowers_persistent_with_dq_in_the_dkv_kernel(H, fields, monkeypatch):
+  """fused_dq on the persistent grid (at d = 64 on its tiles with dQ split by rows; at
+  d = 128 on 64-row tiles): one kernel whose programs (at most 132) loop over the dK/dV
+  items, every mask path. Under jax.vmap the in-place launch folds the mapped axis
+  into the batch and rebuilds the persistent grid over it: one grid over every
+  problem's items (2 key tiles x 4 heads x 3 x 2 batch entries), not each problem's."""
   opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  config = mb.BackwardConfig(consumers=2, fused_dq=True, fused_dq_row_split=True,
-                             persistent=True, **D64_TILES)
-  assert _lowered(64, opts, with_masks=True, config=config, num_sms=132).count(
+  config = mb.BackwardConfig(consumers=2, fused_dq=True, persistent=True, **fields)
+  assert _lowered(H, opts, with_masks=True, config=config, num_sms=132).count(
       "@mosaic_gpu") == 1
-  q = jax.ShapeDtypeStruct((3, 2, 200, 4, 64), jnp.bfloat16)
+  built, grid = [], mb._PersistentGrid
+  monkeypatch.setattr(mb, "_PersistentGrid", lambda *a: built.append(grid(*a)) or built[-1])
+  q = jax.ShapeDtypeStruct((3, 2, 200, 4, H), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((3, 2, 4, 200), jnp.float32)
   f = jax.vmap(lambda q, k, v, out, lse, do: mb.flash_backward(
       q, k, v, out, lse, do, scale=0.125, opts=opts, config=config, num_sms=132))
   text = jax.jit(f).trace(q, q, q, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("@mosaic_gpu") == 1
-  assert "tensor<6x256x4x64xf32>" in text      # dQ of 3 x 2 problems, T padded to 256
+  assert f"tensor<6x256x4x{H}xf32>" in text      # dQ of 3 x 2 problems, T padded to 256
+  tiles = -(-200 // mb.dkv_keys(H, config))
+  assert grid(tiles * 4 * 6, tiles * 4 * 6, (tiles, 4, 6), 1) in built, built
 
 
 @pytest.mark.parametrize("H,consumers,fused_dq", [(128, 1, False), (128, 2, False),
@@ -833,7 +839,8 @@ def test_interpreted_gqa_causal_with_tails(consumers, fused_dq, H):
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
-@pytest.mark.parametrize("row_split,persistent", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("row_split,persistent", [(False, False), (True, False), (False, True),
+                                                   (True, True)])
 def test_interpreted_dq_in_the_dkv_kernel_on_d64_tiles(row_split, persistent, monkeypatch,
                                                        capsys):
   """fused_dq on d = 64's tiles (128 query rows, lse and delta streamed), the whole

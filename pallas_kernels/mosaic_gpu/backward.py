@@ -136,8 +136,8 @@ class BackwardConfig:
   fused_dq_row_split: with fused_dq, two consumers and block_n 128: consumer c adds
     the tile's dQ rows [64 c, 64 c + 64) over both consumers' 128 keys (each
     consumer's dS'^T through two shared-memory slots, one barrier arrival and wait per
-    tile), so each tile pair's dQ leaves the program as one reduce-add of
-    [128, head_dim] rather than two: half fused_dq's reduce traffic into L2. At
+    tile), so the tile's dQ is added once ([64, head_dim] by each consumer) rather than
+    once per consumer: half fused_dq's reduce traffic into L2. At
     d = 64 a program's tile pair (128 keys, 128 queries) is 10.5 MFLOP over five
     products and 64 KiB of reduce-adds without the split: 3.75 TB/s into L2 for the
     card at 600 TF/s, 1.9 with it. Built and checked interpreted, not yet timed.
@@ -277,7 +277,7 @@ class BackwardConfig:
     if self.fused_dq and self.block_n > 2 * ROWS:
       # The dQ product's M is the tile's query rows, its float32 result beside dK and
       # dV in the consumer's registers (`check_supported` bounds it by head_dim).
-      raise ValueError(f"fused_dq=True needs block_n {ROWS} or {2 * ROWS}, not "
+      raise ValueError(f"fused_dq=True needs block_n={ROWS} or block_n={2 * ROWS}, not "
                        f"block_n={self.block_n}")
     if self.fused_dq_row_split and not (self.fused_dq and self.consumers == 2
                                         and self.block_n == 2 * ROWS):
@@ -516,7 +516,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   kernel, `dq_block_n` in the dQ kernel, whose consumers `dq_consumers_of` counts),
   plus the forward's slack for barriers and
   alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
-  way to global memory; with `group_splits` > 1, each consumer's float32 tile of
+  way to global memory (with `fused_dq_row_split`, two slots of both consumers' dS'^T
+  and each consumer's 64 rows of dQ); with `group_splits` > 1, each consumer's float32 tile of
   partial dK, then dV, on the way to global memory; with `stats_streamed`, the lse
   and delta slots."""
   slots = stream_slots(config.consumers, config.stages)
@@ -1098,28 +1099,29 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
 
     def add_dq_rows(ds_t, t, i, n, q_smem, dk_acc):
       """dQ[consumer wg's rows] += dS' K over both consumers' keys (`row_split`), and
-      dK += dS'^T Q. Each consumer writes its [64 keys, 128 queries] dS'^T to shared
-      memory slot t % 2 as two [64, 64] query halves, arrives on the slot's "ready"
-      barrier and issues the dK product; once both consumers have arrived, its dQ
-      product takes its 64 query rows from both consumers' dS'^T (read transposed)
-      against both consumers' K rows. The result leaves the program as one reduce-add
-      of [64, head_dim] per consumer: the tile's dQ once, not once per consumer. A
-      slot is rewritten two tiles later, which a consumer reaches only past the other
-      consumer's "ready" arrival of the tile between, made after its dQ product of this
-      tile was waited for: two slots need no "free" barrier (the K rows, rewritten at
-      the item's end, have theirs: "keys_free")."""
+      dK += dS'^T Q issued behind it. Each consumer writes its [64 keys, 128 queries]
+      dS'^T to shared memory slot t % 2 as two [64, 64] query halves and arrives on the
+      slot's "ready" barrier; once both have arrived, its dQ product takes its 64 query
+      rows from both consumers' dS'^T (read transposed) against both consumers' K rows,
+      and its float32 result goes to the copy engine's reduce-add while dK's product
+      runs (as `add_dq`). The tile's dQ is added once, a [64, head_dim] reduce-add per
+      consumer, not the whole tile's per consumer. A slot is rewritten two tiles
+      later, which a consumer reaches only past the other consumer's "ready" arrival
+      of the tile between, made after its dQ product of this tile was waited for: two
+      slots need no "free" barrier (the K rows, rewritten at the item's end, have
+      theirs: "keys_free")."""
       ds_all, dq_smem, ready = r["ds_smem"], r["dq_smem"].at[wg], r["ds_ready"]
       slot = lax.rem(t, 2)
       for half in range(2):
         ds_all[slot, wg, half] = ds_t[:, half * ROWS:(half + 1) * ROWS]
       plgpu.commit_smem()          # visible to the tensor cores' reads
       plgpu.barrier_arrive(ready.at[slot])
-      mm.issue(dk_acc, ds_t, q_smem)
       plgpu.barrier_wait(ready.at[slot])
       rows = pl.ds(i * bq + wg * ROWS, ROWS)
       parts = [(ds_all.at[slot, key_half, wg], r["k_smem"].at[key_half])
                for key_half in range(2)]
       if interpret:
+        mm.issue(dk_acc, ds_t, q_smem)
         dq = sum(mm._dot(ds, k, False, a_t=True) for ds, k in parts)
         dst = r["dq_acc"].at[wg, b, rows, n]
         dst[...] = dst[...] + dq
@@ -1128,7 +1130,8 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       def run(acc):
         for ds, k_rows in parts:
           plgpu.wgmma(acc, plgpu.transpose_ref(ds, (1, 0)), k_rows)
-        return plgpu.wgmma_accumulator_load(acc)     # waits for dK's product too
+        plgpu.wgmma(dk_acc, ds_t, q_smem)
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1)   # dK's product left in flight
       dq = pl.run_scoped(run, plgpu.ACC((ROWS, H), jnp.float32))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
       dq_smem[...] = dq
