@@ -223,6 +223,10 @@ class MosaicGPUConfig(BackendConfig):
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
       head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else
       False; and True.
+    backward_edge_overlap: whenever the Mosaic GPU backward runs, at each work item's
+      edges its kernels issue both fixed tiles' loads before waiting for either and
+      both outputs' stores before one wait for the copy engine's reads (not above
+      head_dim 128; built and checked interpreted, not yet timed); None: False.
     backward_l2_group: whenever the Mosaic GPU backward runs on persistent grids with
       a causal mask, consecutive tiles of one head (key tiles of the dK/dV kernel,
       query blocks of the dQ kernel) given to programs that run at once (`l2_group`);
@@ -245,6 +249,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
       "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
+      "backward_edge_overlap": "edge_overlap",
       "backward_l2_group": "l2_group"}
 
   block_q: int | None = None
@@ -273,6 +278,7 @@ class MosaicGPUConfig(BackendConfig):
   backward_persistent: bool | None = None
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
+  backward_edge_overlap: bool | None = None
   backward_l2_group: int | None = None
 
   def __post_init__(self):

@@ -735,6 +735,25 @@ def test_lowers_with_dq_in_the_dkv_kernel(H, consumers, fields):
   assert _lowered(H, opts, with_masks=True, config=config).count("@mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("H,causal", [(64, True), (128, False)])
+def test_lowers_with_item_edges_overlapped(H, causal):
+  """`edge_overlap` at the defaults' grids (persistent at d = 64, and at d = 128 without
+  a causal mask; one program per key tile, whose dK and dV go out together), every mask
+  path: in each kernel the full waits for its stores (cp.async.bulk.wait_group, two in
+  the dK/dV kernel, one in the dQ kernel) become one wait for the copy engine's reads
+  (`.read`)."""
+  from experiments.lowered import mosaic_modules
+  opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1)
+  waits = lambda module: [line.split("{")[1].split("}")[0] for line in module.splitlines()
+                          if "cp.async.bulk.wait_group" in line]
+  for c, expected in ((config, [["group = 0 : i32"] * 2, ["group = 0 : i32"]]),
+                      (dataclasses.replace(config, edge_overlap=True),
+                       [["group = 0 : i32, read"]] * 2)):
+    modules = mosaic_modules(_lowered(H, opts, with_masks=True, config=c, num_sms=132))
+    assert [waits(m) for m in modules] == expected
+
+
 @pytest.mark.parametrize("H,fields", [(64, dict(D64_TILES, fused_dq_row_split=True)),
                                       (128, {})])
 def test_lowers_persistent_with_dq_in_the_dkv_kernel(H, fields, monkeypatch):
@@ -872,6 +891,29 @@ def _watch_races(monkeypatch):
   class Racing(params.InterpretGPUParams):
     detect_races: bool = True
   monkeypatch.setattr(params, "InterpretGPUParams", Racing)
+
+
+@pytest.mark.parametrize("H,persistent", [(64, True), (128, False)])
+def test_interpreted_item_edges_overlapped(H, persistent, monkeypatch, capsys):
+  """`edge_overlap`: at each work item's edges both fixed tiles' loads are issued
+  before either is waited for, and the outputs' stores waited for only until the copy
+  engine has read shared memory, which the next item's loads then rewrite. GQA causal
+  with tails (T = 300, S = 150): at d = 64 on its default tiles and the persistent grids
+  of two programs, each looping over several items of both kernels; at d = 128 on the
+  launched grids. Gradients within the 2x rule, and no race under the interpreter's
+  detector."""
+  q, k, v, do = random_qkv((1, 300, 150, 4, 2, H), jnp.bfloat16, seed=4)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.call_config(q.shape, k.shape, 2, causal=True, persistent=persistent,
+                          edge_overlap=True, group_splits=1)   # dK and dV stored together
+  assert (config.persistent, config.block_n) == (persistent, 128 if H == 64 else 64)
+  _watch_races(monkeypatch)
+  got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
+                          opts=MaskOptions(is_causal=True), interpret=True)
+  jax.block_until_ready(got)
+  assert "RACE DETECTED" not in capsys.readouterr().out
+  _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
 @pytest.mark.parametrize("consumers", [1, 2])

@@ -201,6 +201,16 @@ class BackwardConfig:
     128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
     against 524.1 on 64-row tiles), still behind the default there (539.8;
     mosaic_bwd_stats_streamed_time_h200.json).
+  edge_overlap: at each work item's edges (a program's start and end, or between a
+    persistent program's items), both kernels issue the two fixed tiles' loads (K and
+    V; Q and dO) before waiting for either, and the outputs' stores (dK and dV; dQ)
+    before one wait that lasts only until the copy engine has read shared memory
+    (`_store_tiles`); False loads, and stores, one tile at a time, each waited for in
+    full: four copy-engine round trips at every edge of the dK/dV kernel where this
+    leaves two, shorter. An edge costs the consumers, and the tensor cores, those
+    round trips: at 4K d = 64 causal a dK/dV item is about 16 query tiles of 128 rows,
+    an eighth of a 16K d = 128 item's work. Not at the head dims split by role. Built
+    and checked interpreted, not yet timed.
   l2_group: with `persistent` and a causal mask, each kernel's tiles (key tiles of the
     dK/dV kernel, query blocks of the dQ kernel) go to the programs in groups of this
     many consecutive ones of one head (`item_coords`), so that programs running at
@@ -229,6 +239,7 @@ class BackwardConfig:
   persistent: bool = False
   stats_streamed: bool = False
   dv_overlap: bool = True
+  edge_overlap: bool = False
   l2_group: int = 1
 
   def __post_init__(self):
@@ -244,7 +255,8 @@ class BackwardConfig:
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
     for name in ("fused_dq", "fused_dq_row_split", "dq_rows_in_registers",
-                 "dkv_rows_in_registers", "persistent", "stats_streamed", "dv_overlap"):
+                 "dkv_rows_in_registers", "persistent", "stats_streamed", "dv_overlap",
+                 "edge_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -554,16 +566,17 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
                             or config.group_splits != 1 or config.dq_rows_in_registers
                             or config.dkv_rows_in_registers or config.persistent
-                            or config.stats_streamed or not config.dv_overlap):
+                            or config.stats_streamed or not config.dv_overlap
+                            or config.edge_overlap):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
             f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
-            f"registers, no persistent grid and its own tile loop: got "
+            f"registers, no persistent grid and its own tile loop and item edges: got "
             f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
             f"group_splits={config.group_splits}, "
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
             f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
             f"persistent={config.persistent}, stats_streamed={config.stats_streamed}, "
-            f"dv_overlap={config.dv_overlap}")
+            f"dv_overlap={config.dv_overlap}, edge_overlap={config.edge_overlap}")
   return None
 
 
@@ -739,9 +752,17 @@ def _row(ranges, b, i):
 
 
 def _load_tile(src, dst, barrier):
+  _load_tiles([(src, dst, barrier)])
+
+
+def _load_tiles(loads):
+  """Copies each (src, dst, barrier) of `loads` to shared memory, all issued before the
+  first is waited for: their latencies overlap."""
   plgpu = _plgpu()
-  plgpu.copy_gmem_to_smem(src, dst, barrier)
-  plgpu.barrier_wait(barrier)
+  for src, dst, barrier in loads:
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+  for _, _, barrier in loads:
+    plgpu.barrier_wait(barrier)
 
 
 class _Stream:
@@ -767,11 +788,22 @@ class _Stream:
 
 
 def _store_tile(x, smem, dst):
+  _store_tiles([(x, smem, dst)])
+
+
+def _store_tiles(stores, read_only=False):
+  """Stores each (x, smem, dst) of `stores` through its shared-memory tile, all copies
+  issued before one wait: for their completion, or with `read_only` only until the
+  copy engine has read shared memory, which may then be rewritten (the global writes
+  complete with the kernel; CUTLASS's Hopper epilogues end on the same wait,
+  `tma_store_wait<0>`, cp.async.bulk.wait_group.read)."""
   plgpu = _plgpu()
-  smem[...] = x.astype(smem.dtype)
+  for x, smem, _ in stores:
+    smem[...] = x.astype(smem.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem, dst)
-  plgpu.wait_smem_to_gmem(0)
+  for _, smem, dst in stores:
+    plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
 
 class _Pipeline:
@@ -946,7 +978,7 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False, row_split=False,
                 rows_in_registers=False, persistent=None, stats_streamed=False,
-                dv_overlap=True):
+                dv_overlap=True, edge_overlap=False):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
@@ -958,8 +990,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   `rows_in_registers`: K and V enter S^T and dP^T from registers
   (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
   `_PersistentGrid`): each program of two consumers loops over work items (key tile,
-  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`:
-  as `BackwardConfig`'s."""
+  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`,
+  `edge_overlap`: as `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -975,7 +1007,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
                         key_layout=key_layout, group=group, group_splits=group_splits,
                         interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
                         row_split=row_split, rows_in_registers=rows_in_registers,
-                        stats_streamed=stats_streamed,
+                        stats_streamed=stats_streamed, edge_overlap=edge_overlap,
                         dv_overlap=dv_overlap)
 
   if persistent is None:
@@ -1029,7 +1061,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
                  group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
-                 row_split=False, stats_streamed=False, dv_overlap=True):
+                 row_split=False, stats_streamed=False, dv_overlap=True,
+                 edge_overlap=False):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
@@ -1064,8 +1097,10 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     start, before, acquire, release = tiles
     counted = _counted_from(count)
     keys = pl.ds(key0, bk)
-    _load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0])
-    _load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])
+    fixed_loads = [(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0]),
+                   (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])]
+    for loads in ([fixed_loads] if edge_overlap else [[load] for load in fixed_loads]):
+      _load_tiles(loads)
     k_a, v_a = (k_smem[...], v_smem[...]) if rows_in_registers else (k_smem, v_smem)
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
     kv_seg = key_segments(keys)
@@ -1185,7 +1220,10 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       # store below (and a persistent program's next item) overwrites.
       plgpu.barrier_arrive(r["keys_free"])
       plgpu.barrier_wait(r["keys_free"])
-    if group_splits == 1:
+    if group_splits == 1 and edge_overlap:
+      _store_tiles([(dk * scale, k_smem, r["dk"].at[b, keys, kv_head]),
+                    (dv, v_smem, r["dv"].at[b, keys, kv_head])], read_only=True)
+    elif group_splits == 1:
       _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
       _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
     else:
@@ -1302,21 +1340,23 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
-               consumers, stages, rows_in_registers=False, persistent=None):
+               consumers, stages, rows_in_registers=False, persistent=None,
+               edge_overlap=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two or three share the
   key tiles a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
   program of a producer and its consumers loops over work items (query block, head,
-  batch) of the grid it stands for."""
+  batch) of the grid it stands for; `edge_overlap`: as `BackwardConfig`'s."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
   block_of = query_block_order(num_q_blocks, opts)
   item_at = functools.partial(_dq_program, r, _Products(interpret, r.get("acc")), bq=bq,
                               bk=bk, group=group, interpret=interpret, opts=opts,
-                              scale=scale, rows_in_registers=rows_in_registers)
+                              scale=scale, rows_in_registers=rows_in_registers,
+                              edge_overlap=edge_overlap)
   if persistent is None:
     i, b, srcs, consume = item_at(block_of(lax.axis_index("q")), lax.axis_index("heads"),
                                   lax.axis_index("batch"))
@@ -1364,7 +1404,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
-                rows_in_registers):
+                rows_in_registers, edge_overlap=False):
   """The closures of one dQ work item (see `_dq_kernel`), query block i of query head
   n in batch b: (i, b, srcs, consume)."""
   ranges = r["ranges"]
@@ -1385,8 +1425,10 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     lo, full_lo, full_hi, hi = _row(ranges, b, i)
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
-    _load_tile(r["q"].at[b, rows, n], q_smem, fixed_loaded[0])
-    _load_tile(r["do"].at[b, rows, n], do_smem, fixed_loaded[1])
+    fixed_loads = [(r["q"].at[b, rows, n], q_smem, fixed_loaded[0]),
+                   (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])]
+    for loads in ([fixed_loads] if edge_overlap else [[load] for load in fixed_loads]):
+      _load_tiles(loads)
     q_a, do_a = (q_smem[...], do_smem[...]) if rows_in_registers else (q_smem, do_smem)
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
@@ -1419,7 +1461,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
-    _store_tile(dq * scale, q_smem, r["dq"].at[b, rows, n])
+    _store_tiles([(dq * scale, q_smem, r["dq"].at[b, rows, n])], read_only=edge_overlap)
     return _count_after(count, lambda: hi - lo)
 
   return _DqItem(i, b, srcs, consume)
@@ -1653,7 +1695,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                rows_in_registers=config.dkv_rows_in_registers,
                                persistent=persistent_grid(grid),
                                stats_streamed=config.stats_streamed,
-                               dv_overlap=config.dv_overlap),
+                               dv_overlap=config.dv_overlap,
+                               edge_overlap=config.edge_overlap),
              *grid_of(grid, grid_names),
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
              [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
@@ -1673,6 +1716,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   grid = (Tp // bq, N, B)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,
+                                 edge_overlap=config.edge_overlap,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype)],
