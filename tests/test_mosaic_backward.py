@@ -341,7 +341,8 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
                       (dict(backward_persistent=True), "persistent=True"),
                       (dict(backward_consumers=2, backward_stats_streamed=True),
                        "stats_streamed=True"),
-                      (dict(backward_dv_overlap=False), "dv_overlap=False")):
+                      (dict(backward_dv_overlap=False), "dv_overlap=False"),
+                      (dict(backward_edge_overlap=True), "edge_overlap=True")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
       mosaic_impl.check_call(q, k, v, *own, **HOPPER)
@@ -894,25 +895,27 @@ def _watch_races(monkeypatch):
 
 
 @pytest.mark.parametrize("H,persistent", [(64, True), (128, False)])
-def test_interpreted_item_edges_overlapped(H, persistent, monkeypatch, capsys):
+def test_interpreted_item_edges_overlapped(H, persistent):
   """`edge_overlap`: at each work item's edges both fixed tiles' loads are issued
   before either is waited for, and the outputs' stores waited for only until the copy
-  engine has read shared memory, which the next item's loads then rewrite. GQA causal
-  with tails (T = 300, S = 150): at d = 64 on its default tiles and the persistent grids
-  of two programs, each looping over several items of both kernels; at d = 128 on the
-  launched grids. Gradients within the 2x rule, and no race under the interpreter's
-  detector."""
-  q, k, v, do = random_qkv((1, 300, 150, 4, 2, H), jnp.bfloat16, seed=4)
+  engine has read shared memory. GQA causal with tails (T = 200, S = 150): at d = 64 on
+  its default tiles and the persistent grids of two programs, each looping over
+  several items of both kernels (the loads' barriers in phase from item to item); at
+  d = 128 on the launched grids. Gradients within the 2x rule and equal to the
+  default's to the bit. The interpreter runs every copy at once and its waits for
+  stores do nothing, so the waits themselves are not checked here (the lowering test
+  counts them)."""
+  q, k, v, do = random_qkv((1, 200, 150, 4, 2, H), jnp.bfloat16, seed=4)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   config = mb.call_config(q.shape, k.shape, 2, causal=True, persistent=persistent,
-                          edge_overlap=True, group_splits=1)   # dK and dV stored together
+                          group_splits=1)      # dK and dV stored together
   assert (config.persistent, config.block_n) == (persistent, 128 if H == 64 else 64)
-  _watch_races(monkeypatch)
-  got = mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=config,
-                          opts=MaskOptions(is_causal=True), interpret=True)
-  jax.block_until_ready(got)
-  assert "RACE DETECTED" not in capsys.readouterr().out
+  got, default = (mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=c,
+                                    opts=MaskOptions(is_causal=True), interpret=True)
+                  for c in (dataclasses.replace(config, edge_overlap=True), config))
+  for g, d in zip(got, default):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(d, np.float32))
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
 
