@@ -132,7 +132,9 @@ class BackwardConfig:
     products for want of registers and spilled (experiments/results/ptxas_h200/: the
     dQ result beside the dK and dV accumulators did not fit). block_n 64, or 128 up to
     head_dim 64 (`FUSED_DQ_RESULT`), where d = 64's tiles (BLOCK_N_AT_64 with lse and
-    delta streamed) then run with it: built and checked interpreted, not yet timed.
+    delta streamed) then run with it: correct on an H100 and slower there (4K d64
+    fwd+bwd 239.0 TF/s against the default's 421.4, causal 213.5 against 350.0;
+    ptxas spills 440 bytes; mosaic_bwd_fused_d64_h100.json).
   fused_dq_row_split: with fused_dq, two consumers and block_n 128: consumer c adds
     the tile's dQ rows [64 c, 64 c + 64) over both consumers' 128 keys (each
     consumer's dS'^T through two shared-memory slots, one barrier arrival and wait per
@@ -140,7 +142,10 @@ class BackwardConfig:
     once per consumer: half fused_dq's reduce traffic into L2. At
     d = 64 a program's tile pair (128 keys, 128 queries) is 10.5 MFLOP over five
     products and 64 KiB of reduce-adds without the split: 3.75 TB/s into L2 for the
-    card at 600 TF/s, 1.9 with it. Built and checked interpreted, not yet timed.
+    card at 600 TF/s, 1.9 with it. Correct on an H100, 16% faster than the whole
+    tile's form there and still slower than the default: 276.9 TF/s, 404.4 on the
+    persistent grid (causal 248.3, 316.2) against 421.4 (350.0); ptxas spills 376
+    bytes (mosaic_bwd_fused_d64_h100.json).
   dq_block_n: key rows per tile of the dQ kernel (the N of its S and dP), where it
     differs from the dK/dV kernel's block_n; None: block_n.
   dq_rows_in_registers: the dQ kernel's consumers hold their fixed Q and dO rows in
@@ -171,8 +176,8 @@ class BackwardConfig:
     the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not at the
     head dims split by role; with fused_dq the dK/dV kernel's alone, whose launch
     folds a mapped axis into the batch: one persistent grid over every mapped
-    problem's items (built and checked interpreted, not yet timed). The default where
-    it measured faster (`persistent_wins`).
+    problem's items (on an H100 1.46x the launched grid with fused_dq_row_split at 4K
+    d64). The default where it measured faster (`persistent_wins`).
   dq_consumers: the dQ kernel's consumer warpgroups where they differ from
     `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
     split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
