@@ -216,8 +216,10 @@ class BackwardConfig:
     two read waits). An edge costs the consumers, and the tensor cores, those round
     trips: at 4K d = 64 causal a dK/dV item is about 16 query tiles of 128 rows, 35 us
     of a persistent program's time against 409 us for a 16K d = 128 item (profiled
-    kernel times over items per program). Not at the head dims split by role. Built
-    and checked interpreted, not yet timed.
+    kernel times over items per program). Not at the head dims split by role. Correct
+    on an H100 and no faster there (fwd+bwd 16K d128 553.5 TF/s against 552.6, 4K d64
+    415.9 against 421.6, causal 343.7 against 345.1; mosaic_bwd_edge_overlap_h100.json):
+    the round trips were not exposed as modelled.
   l2_group: with `persistent` and a causal mask, each kernel's tiles (key tiles of the
     dK/dV kernel, query blocks of the dQ kernel) go to the programs in groups of this
     many consecutive ones of one head (`item_coords`), so that programs running at
