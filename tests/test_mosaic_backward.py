@@ -1039,13 +1039,7 @@ def test_interpreted_by_role_gqa_causal_with_tails(monkeypatch, capsys):
   tile sees no query (dK = dV = 0, each consumer storing zeros with no tile visited);
   the dQ kernel one warpgroup. The interpreter's race detector (happens-before over
   the simulated shared memory and barriers) watches both kernels."""
-  import dataclasses
-  from jax._src.pallas.mosaic_gpu.interpret import params
-
-  @dataclasses.dataclass(frozen=True)
-  class Racing(params.InterpretGPUParams):
-    detect_races: bool = True
-  monkeypatch.setattr(params, "InterpretGPUParams", Racing)
+  _watch_races(monkeypatch)
   q, k, v, do = random_qkv((1, 70, 150, 4, 2, 256), jnp.bfloat16, seed=1)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)

@@ -796,6 +796,22 @@ class _Stream:
     return tuple(smem.at[slot] for smem in self.smems)
 
 
+def _load_fixed(loads, overlap):
+  """A work item's fixed tiles, each (src, dst, barrier): with `overlap`
+  (`BackwardConfig.edge_overlap`) every copy issued before the first wait, else one
+  tile loaded and waited for at a time."""
+  for group in ([loads] if overlap else [[load] for load in loads]):
+    _load_tiles(group)
+
+
+def _store_outputs(stores, overlap):
+  """A work item's outputs, each (x, smem, dst) through its own tile: with `overlap`
+  every copy issued before one wait for the copy engine's reads, else each stored and
+  waited for in full."""
+  for group in ([stores] if overlap else [[store] for store in stores]):
+    _store_tiles(group, read_only=overlap)
+
+
 def _store_tile(x, smem, dst, read_only=False):
   _store_tiles([(x, smem, dst)], read_only)
 
@@ -1108,10 +1124,8 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     start, before, acquire, release = tiles
     counted = _counted_from(count)
     keys = pl.ds(key0, bk)
-    fixed_loads = [(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0]),
-                   (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])]
-    for loads in ([fixed_loads] if edge_overlap else [[load] for load in fixed_loads]):
-      _load_tiles(loads)
+    _load_fixed([(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0]),
+                 (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])], edge_overlap)
     k_a, v_a = (k_smem[...], v_smem[...]) if rows_in_registers else (k_smem, v_smem)
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
     kv_seg = key_segments(keys)
@@ -1233,12 +1247,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       # store below (and a persistent program's next item) overwrites.
       plgpu.barrier_arrive(r["keys_free"])
       plgpu.barrier_wait(r["keys_free"])
-    if group_splits == 1 and edge_overlap:
-      _store_tiles([(dk * scale, k_smem, r["dk"].at[b, keys, kv_head]),
-                    (dv, v_smem, r["dv"].at[b, keys, kv_head])], read_only=True)
-    elif group_splits == 1:
-      _store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
-      _store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+    if group_splits == 1:
+      _store_outputs([(dk * scale, k_smem, r["dk"].at[b, keys, kv_head]),
+                      (dv, v_smem, r["dv"].at[b, keys, kv_head])], edge_overlap)
     else:
       # Partial sums over the program's heads, summed over the splits by flash_backward:
       # float32 through a float32 tile, so that only the total is rounded to the input
@@ -1440,10 +1451,8 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     lo, full_lo, full_hi, hi = _row(ranges, b, i)
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
-    fixed_loads = [(r["q"].at[b, rows, n], q_smem, fixed_loaded[0]),
-                   (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])]
-    for loads in ([fixed_loads] if edge_overlap else [[load] for load in fixed_loads]):
-      _load_tiles(loads)
+    _load_fixed([(r["q"].at[b, rows, n], q_smem, fixed_loaded[0]),
+                 (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])], edge_overlap)
     q_a, do_a = (q_smem[...], do_smem[...]) if rows_in_registers else (q_smem, do_smem)
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
@@ -1476,7 +1485,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
-    _store_tiles([(dq * scale, q_smem, r["dq"].at[b, rows, n])], read_only=edge_overlap)
+    _store_outputs([(dq * scale, q_smem, r["dq"].at[b, rows, n])], edge_overlap)
     return _count_after(count, lambda: hi - lo)
 
   return _DqItem(i, b, srcs, consume)
