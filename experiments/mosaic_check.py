@@ -547,9 +547,14 @@ BACKWARD_NAN_SHAPE = (1, 256, 256, 2, 2, 64)
 def check_backward_vmap(shape=BACKWARD_VMAP_SHAPE, fields=None):
   """The backward under jax.vmap (leading axis of `shape`) against the same calls one by
   one: equal to the last bit, except dq with fused_dq (whose launch has its own
-  batching rule): the copy engine's float32 adds into dQ land in a varying order, so
-  the bf16 result may differ in its last place: by at most 2^-7 of its magnitude (one
-  bf16 ulp, two just below a power of two)."""
+  batching rule). There the copy engine's float32 adds into dQ land in a varying
+  order: each element sums n <= ceil(S / 64) adds (one per consumer's 64 keys), the
+  same terms in both calls, and a float32 sum of n terms moves by at most
+  n 2^-24 sum|terms| from the exact one whatever the order (Higham, section 4.2), so two
+  orders differ by at most 2 n 2^-24 sum|terms| (sum|terms| = s |dS| |K|, from the float64
+  reference), and rounding each to bf16 adds at most 2^-7 of the larger magnitude
+  (half a bf16 ulp each). `worst` records the element nearest its allowance."""
+  from pallas_kernels.mosaic_gpu import backward as mb
   row = {"name": "bwd vmapped", "ok": False}
   try:
     V, *one = shape
@@ -562,14 +567,24 @@ def check_backward_vmap(shape=BACKWARD_VMAP_SHAPE, fields=None):
     mapped = jax.jit(jax.vmap(grads))(q, k, v, do)
     looped = [jax.jit(grads)(q[i], k[i], v[i], do[i]) for i in range(V)]
     unordered = {0} if (fields or {}).get("backward_fused_dq") else set()
+    if unordered:
+      adds = -(-one[2] // mb.ROWS)
+      terms = np.stack([jflash.attention_numpy(
+          *(np.asarray(x[i], np.float64) for x in (q, k, v)), is_causal=True,
+          dout=np.asarray(do[i], np.float64), dq_abs_terms=True)[-1] for i in range(V)])
     diff, ok = [], True
     for g, m in enumerate(mapped):
       m = np.asarray(m, np.float32)
       one = np.stack([np.asarray(x[g], np.float32) for x in looped])
       d = np.abs(m - one)
-      ulp = 2.0 ** -7 * np.maximum(np.abs(m), np.abs(one)) if g in unordered else 0
+      allow = 0.0
+      if g in unordered:
+        allow = 2.0 ** -7 * np.maximum(np.abs(m), np.abs(one)) + 2 * adds * 2.0 ** -24 * terms
+        at = np.unravel_index(np.argmax(d - allow), d.shape)
+        row["worst"] = {"vmapped": float(m[at]), "one_by_one": float(one[at]),
+                        "diff": float(d[at]), "allowed": float(allow[at])}
       diff.append(float(d.max()))
-      ok &= bool((d <= ulp).all())
+      ok &= bool((d <= allow).all())
     row.update(max_abs_diff=dict(zip(("dq", "dk", "dv"), diff)), ok=ok)
   except Exception as e:
     row["error"] = f"{type(e).__name__}: {e}"[:3000]

@@ -40,6 +40,12 @@ declare -A CASES=(
   # (fused_dq_row_split): do the dK/dV accumulators, S^T, dP^T and the dQ result fit?
   [bwd_d64_fused]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true}"
   [bwd_d64_fused_rows]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true,\"backward_fused_dq_row_split\":true}"
+  # the d = 128 dK/dV kernel with K and V rows as its first products' A operands, beside
+  # the default (bwd_d128_ws): how many more bytes does the consumer spill?
+  [bwd_d128_dkv_rows]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_rows_in_registers\":true}"
+  # both score products issued before the softmax (dkv_p_under_dp, dq_p_under_dp)
+  [bwd_d128_p_under_dp]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_p_under_dp\":true,\"backward_dq_p_under_dp\":true}"
+  [bwd_d64_p_under_dp]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_p_under_dp\":true,\"backward_dq_p_under_dp\":true}"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats

@@ -224,6 +224,11 @@ class MosaicGPUConfig(BackendConfig):
       (`pallas_kernels.mosaic_gpu.backward.BackwardConfig`); None: True where
       head_dim 64's 128-row tiles are the default (backward_dq_block_n above), else
       False; and True.
+    backward_dkv_p_under_dp, backward_dq_p_under_dp: whenever the Mosaic GPU backward
+      runs, its dK/dV kernel (dQ kernel) issues both score products of a tile (S^T and
+      dP^T; S and dP) before the softmax and waits for the first alone, so that P's
+      exponentials run under the second product (FlashAttention-3's order; the dK/dV
+      kernel's not above head_dim 128); None: False.
     backward_edge_overlap: whenever the Mosaic GPU backward runs, at each work item's
       edges its kernels issue both fixed tiles' loads before waiting for either and
       both outputs' stores before one wait for the copy engine's reads (not above
@@ -250,6 +255,7 @@ class MosaicGPUConfig(BackendConfig):
       "backward_dkv_rows_in_registers": "dkv_rows_in_registers",
       "backward_stages": "stages", "backward_persistent": "persistent",
       "backward_stats_streamed": "stats_streamed", "backward_dv_overlap": "dv_overlap",
+      "backward_dkv_p_under_dp": "dkv_p_under_dp", "backward_dq_p_under_dp": "dq_p_under_dp",
       "backward_edge_overlap": "edge_overlap",
       "backward_l2_group": "l2_group"}
 
@@ -279,6 +285,8 @@ class MosaicGPUConfig(BackendConfig):
   backward_persistent: bool | None = None
   backward_stats_streamed: bool | None = None
   backward_dv_overlap: bool | None = None
+  backward_dkv_p_under_dp: bool | None = None
+  backward_dq_p_under_dp: bool | None = None
   backward_edge_overlap: bool | None = None
   backward_l2_group: int | None = None
 

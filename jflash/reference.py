@@ -79,11 +79,14 @@ def attention_xla(q, k, v, *, scale: float, is_causal: bool = False, masks=None)
 def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,
                     bias=None, mask=None, query_seq_lengths=None, key_value_seq_lengths=None,
                     segment_ids=None, local_window_size=None, logits_soft_cap=None,
-                    dropout_rate=0.0, dropout_seed=None, dout=None):
+                    dropout_rate=0.0, dropout_seed=None, dout=None, dq_abs_terms=False):
   """float64 reference with every option of `jflash.attention`.
 
   Returns (out, lse), or with `dout` (out, lse, dq, dk, dv) and dbias appended when a
-  bias is given. Gradients are the closed-form softmax backward:
+  bias is given; with `dq_abs_terms` also s |dlogits| |K| last, the sum of the absolute
+  terms of each dQ element (what bounds the change of a float32 sum of them when the
+  order of its adds changes: Higham, Accuracy and Stability of Numerical Algorithms,
+  section 4.2). Gradients are the closed-form softmax backward:
     dV = P~^T dO, dP~ = dO V^T, dP = dP~ * Z/(1-r), dS = P * (dP - rowsum(dO * O)),
     dlogits = dS * (1 - tanh^2) with a soft cap, dQ = s dlogits K, dK = s dlogits^T Q,
   where P~ = P * Z/(1-r) is P after dropout with keep mask Z.
@@ -137,11 +140,13 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   dkr = np.einsum("bnts,btnh->bsnh", dlogits, q, optimize=True) * scale
   dk = dkr.reshape(B, S, K, G, H).sum(3)
   dv = dvr.reshape(B, S, K, G, H).sum(3)
-  if bias is None:
-    return out, lse, dq, dk, dv
-  bshape = np.shape(bias)
-  dbias = ds.sum(axis=tuple(i for i in (0, 1) if bshape[i] == 1), keepdims=True)
-  return out, lse, dq, dk, dv, dbias
+  grads = (dq, dk, dv)
+  if bias is not None:
+    bshape = np.shape(bias)
+    grads += (ds.sum(axis=tuple(i for i in (0, 1) if bshape[i] == 1), keepdims=True),)
+  if dq_abs_terms:
+    grads += (np.einsum("bnts,bsnh->btnh", np.abs(dlogits), np.abs(kr), optimize=True) * scale,)
+  return (out, lse) + grads
 
 
 def attention_tiled_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,

@@ -230,8 +230,9 @@ def test_backward_choice_and_validation():
       consumers=2, block_n=128, stats_streamed=True, dq_rows_in_registers=True)
   assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1, dq_block_n=128)
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
-  with pytest.raises(ValueError, match="fused_dq=True runs no dQ kernel"):
-    jflash.MosaicGPUConfig(backward_fused_dq=True, backward_dq_rows_in_registers=True)
+  for field in ("backward_dq_rows_in_registers", "backward_dq_p_under_dp"):
+    with pytest.raises(ValueError, match=f"fused_dq=True runs no dQ kernel.*{field[9:]}=True"):
+      jflash.MosaicGPUConfig(backward_fused_dq=True, **{field: True})
   # causal persistent grids at head_dim 64 of L2_GROUP_MIN_PAIRS (batch, key head) pairs
   # or more go out in groups of L2_GROUP tiles per head; fewer pairs, launched grids,
   # other head dims or the caller's l2_group keep theirs. "auto" picks the same backward
@@ -342,6 +343,7 @@ def test_head_dim_256_runs_by_role_with_two_consumers_only():
                       (dict(backward_consumers=2, backward_stats_streamed=True),
                        "stats_streamed=True"),
                       (dict(backward_dv_overlap=False), "dv_overlap=False"),
+                      (dict(backward_dkv_p_under_dp=True), "dkv_p_under_dp=True"),
                       (dict(backward_edge_overlap=True), "edge_overlap=True")):
     own = jflash.prepare(q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))
     with pytest.raises(NotImplementedError, match=why):
@@ -755,6 +757,24 @@ def test_lowers_with_item_edges_overlapped(H, causal):
     assert [waits(m) for m in modules] == expected
 
 
+@pytest.mark.parametrize("H,causal", [(64, True), (128, False)])
+def test_lowers_with_p_under_dp(H, causal):
+  """`dkv_p_under_dp`, `dq_p_under_dp` at the defaults' grids, every mask path: each
+  kernel issues both score products before the softmax and waits for the first alone
+  (a wait for all but one group in flight), which the dQ kernel otherwise never does;
+  the dK/dV kernel's count of such waits stays (its dP^T's wait under the dV product
+  becomes S^T's under dP^T)."""
+  from experiments.lowered import mosaic_modules
+  opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
+  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1)
+  waits = lambda module: [module.count(f"group = {n} : i64") for n in (0, 1)]
+  default, under = (
+      [waits(m) for m in mosaic_modules(_lowered(H, opts, with_masks=True, config=c,
+                                                 num_sms=132))]
+      for c in (config, dataclasses.replace(config, dkv_p_under_dp=True, dq_p_under_dp=True)))
+  assert under[0] == default[0] and default[1][1] == 0 and under[1][1] > 0
+
+
 @pytest.mark.parametrize("H,fields", [(64, dict(D64_TILES, fused_dq_row_split=True)),
                                       (128, {})])
 def test_lowers_persistent_with_dq_in_the_dkv_kernel(H, fields, monkeypatch):
@@ -914,6 +934,28 @@ def test_interpreted_item_edges_overlapped(H, persistent):
   got, default = (mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=c,
                                     opts=MaskOptions(is_causal=True), interpret=True)
                   for c in (dataclasses.replace(config, edge_overlap=True), config))
+  for g, d in zip(got, default):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(d, np.float32))
+  _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
+
+
+@pytest.mark.parametrize("H,persistent", [(64, True), (128, False)])
+def test_interpreted_p_under_dp(H, persistent):
+  """`dkv_p_under_dp`, `dq_p_under_dp`: P computed between the two score products'
+  waits, dV's product issued after it. GQA causal with tails (T = 200, S = 150) at d =
+  64 on its default tiles and persistent grids (lse and delta streamed) and at d = 128
+  on the launched grids: within the 2x rule and equal to the default's gradients to
+  the bit (the same products and elementwise steps, in another order of issue)."""
+  q, k, v, do = random_qkv((1, 200, 150, 4, 2, H), jnp.bfloat16, seed=6)
+  out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
+                              return_residuals=True)
+  config = mb.call_config(q.shape, k.shape, 2, causal=True, persistent=persistent,
+                          group_splits=1)
+  assert (config.persistent, config.stats_streamed) == (persistent, H == 64)
+  got, default = (mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=c,
+                                    opts=MaskOptions(is_causal=True), interpret=True)
+                  for c in (dataclasses.replace(config, dkv_p_under_dp=True,
+                                                dq_p_under_dp=True), config))
   for g, d in zip(got, default):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(d, np.float32))
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)

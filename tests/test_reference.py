@@ -35,6 +35,20 @@ def test_numpy_gradients_match_autodiff_in_float64():
       np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
+def test_dq_abs_terms():
+  # s |dS| |K| bounds |dQ| (triangle inequality), strictly where terms cancel; with two
+  # keys a query row's dS is (a, -a) (its entries sum to zero), so with k2 = -k1 both
+  # terms of each dQ element have one sign and the bound is |dQ| itself.
+  q, k, v, do = rand((1, 6, 2, 8), 9), rand((1, 10, 2, 8), 10), rand((1, 10, 2, 8), 11), rand((1, 6, 2, 8), 12)
+  *_, dq, _, _, terms = jflash.attention_numpy(q, k, v, dout=do, dq_abs_terms=True)
+  assert (terms >= np.abs(dq) - 1e-12).all() and (terms > np.abs(dq) + 1e-6).any()
+  k = rand((1, 1, 1, 8), 13)
+  k = np.concatenate([k, -k], axis=1)
+  *_, dq, _, _, terms = jflash.attention_numpy(rand((1, 3, 1, 8), 14), k, rand((1, 2, 1, 8), 15),
+                                               dout=rand((1, 3, 1, 8), 16), dq_abs_terms=True)
+  np.testing.assert_allclose(terms, np.abs(dq), rtol=1e-12)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("T,S", [(1, 1), (33, 70), (70, 33), (64, 64)])
 def test_tiled_simulation_equals_reference(T, S, is_causal):

@@ -206,6 +206,16 @@ class BackwardConfig:
     128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
     against 524.1 on 64-row tiles), still behind the default there (539.8;
     mosaic_bwd_stats_streamed_time_h200.json).
+  dkv_p_under_dp: the dK/dV kernel issues dP^T = V dO^T right behind S^T = K Q^T and
+    waits for S^T alone, so that P^T's exponentials run under the dP^T product; dV +=
+    P^T dO is issued after them and dS'^T computed under it (FlashAttention-3's order:
+    both score products before the softmax). False (the default) issues dP^T after
+    P^T, with dV behind it (tokamax's order): the consumer's own products are then
+    idle while it computes P^T. The live registers at the peak, dK, dV, P^T in float32
+    and in the input dtype and dP^T, are the same in both orders. Not at the head dims
+    split by role.
+  dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
+    back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
   edge_overlap: at each work item's edges (a program's start and end, or between a
     persistent program's items), both kernels issue the two fixed tiles' loads (K and
     V; Q and dO) before waiting for either, and the outputs' stores (dK and dV; dQ)
@@ -248,6 +258,8 @@ class BackwardConfig:
   persistent: bool = False
   stats_streamed: bool = False
   dv_overlap: bool = True
+  dkv_p_under_dp: bool = False
+  dq_p_under_dp: bool = False
   edge_overlap: bool = False
   l2_group: int = 1
 
@@ -265,7 +277,7 @@ class BackwardConfig:
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
     for name in ("fused_dq", "fused_dq_row_split", "dq_rows_in_registers",
                  "dkv_rows_in_registers", "persistent", "stats_streamed", "dv_overlap",
-                 "edge_overlap"):
+                 "dkv_p_under_dp", "dq_p_under_dp", "edge_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -275,10 +287,11 @@ class BackwardConfig:
                                           or self.dq_consumers not in (1, 2, 3)):
       raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1, 2 or 3")
     if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers
-                          or self.dq_consumers is not None):
+                          or self.dq_consumers is not None or self.dq_p_under_dp):
       raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
-                       f"dq_consumers={self.dq_consumers!r} and dq_rows_in_registers="
-                       f"{self.dq_rows_in_registers!r} are its fields")
+                       f"dq_consumers={self.dq_consumers!r}, dq_rows_in_registers="
+                       f"{self.dq_rows_in_registers!r} and dq_p_under_dp="
+                       f"{self.dq_p_under_dp!r} are its fields")
     check_l2_group(self.l2_group)
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of a producer and consumers: "
@@ -576,7 +589,7 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
                             or config.group_splits != 1 or config.dq_rows_in_registers
                             or config.dkv_rows_in_registers or config.persistent
                             or config.stats_streamed or not config.dv_overlap
-                            or config.edge_overlap):
+                            or config.dkv_p_under_dp or config.edge_overlap):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
             f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
             f"registers, no persistent grid and its own tile loop and item edges: got "
@@ -585,7 +598,8 @@ def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
             f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
             f"persistent={config.persistent}, stats_streamed={config.stats_streamed}, "
-            f"dv_overlap={config.dv_overlap}, edge_overlap={config.edge_overlap}")
+            f"dv_overlap={config.dv_overlap}, dkv_p_under_dp={config.dkv_p_under_dp}, "
+            f"edge_overlap={config.edge_overlap}")
   return None
 
 
@@ -652,18 +666,24 @@ class _Products:
     """a @ b(^T) into a new float32 accumulator, waited for."""
     return self.fresh_pair(a, b, None, None, shape, b_t=b_t)[0]
 
-  def fresh_pair(self, a1, b1, a2, b2, shape, *, b_t=False):
+  def fresh_pair(self, a1, b1, a2, b2, shape, *, b_t=False, under_second=None):
     """(a1 @ b1(^T), a2 @ b2(^T)), issued back to back, then both waited for (the
-    second product's issue does not wait for the first's result). a2 None: one."""
+    second product's issue does not wait for the first's result). a2 None: one.
+    `under_second`: a function of the first result, run after waiting for the first
+    product alone, so that it runs under the second; (its value, the second) returned."""
+    after = under_second or (lambda first: first)
     if self.interpret:
-      return self._dot(a1, b1, b_t), (None if a2 is None else self._dot(a2, b2, b_t))
+      return after(self._dot(a1, b1, b_t)), (None if a2 is None else self._dot(a2, b2, b_t))
     plgpu = _plgpu()
 
     def run(acc1, acc2):
       plgpu.wgmma(acc1, a1, self._t(b1, b_t))
       if a2 is not None:
         plgpu.wgmma(acc2, a2, self._t(b2, b_t))
-      return acc1[...], (None if a2 is None else acc2[...])
+      if under_second is None:
+        return acc1[...], (None if a2 is None else acc2[...])
+      first = after(plgpu.wgmma_accumulator_load(acc1, wait_n=1))
+      return first, plgpu.wgmma_accumulator_load(acc2, wait_n=0)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
   def fresh_under(self, a, b, shape, *, b_t, then, a_t=False, overlap=True):
@@ -1005,7 +1025,7 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
                 stages, group_splits=1, fused_dq=False, row_split=False,
                 rows_in_registers=False, persistent=None, stats_streamed=False,
-                dv_overlap=True, edge_overlap=False):
+                dv_overlap=True, p_under_dp=False, edge_overlap=False):
   """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
   the program's share of them, `group_splits`) and the visited query tiles (S^T =
   K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
@@ -1018,7 +1038,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
   (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
   `_PersistentGrid`): each program of two consumers loops over work items (key tile,
   key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`,
-  `edge_overlap`: as `BackwardConfig`'s."""
+  `edge_overlap`: as `BackwardConfig`'s, `p_under_dp` as its `dkv_p_under_dp`."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -1035,7 +1055,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
                         interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
                         row_split=row_split, rows_in_registers=rows_in_registers,
                         stats_streamed=stats_streamed, edge_overlap=edge_overlap,
-                        dv_overlap=dv_overlap)
+                        dv_overlap=dv_overlap, p_under_dp=p_under_dp)
 
   if persistent is None:
     j, kv_head, b, head, srcs, key_segments, consume = item_at(
@@ -1089,7 +1109,7 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
                  group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
                  row_split=False, stats_streamed=False, dv_overlap=True,
-                 edge_overlap=False):
+                 p_under_dp=False, edge_overlap=False):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
@@ -1212,14 +1232,24 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
       else:
         lse2, delta, keep = query_side(n, i, masked, kv_seg)
         q_smem, do_smem = acquire(t)
-      s_t = mm.fresh(k_a, q_smem, (bk, bq), b_t=True)          # S^T = K Q^T
-      if stats_streamed:
-        lse2 = _along_queries(lse_smem, bq, interpret)
-      p_t, c = _tile_p(s_t, lse2, opts=opts, scale=scale, keep=keep)
-      # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under the
-      # dV product (`dv_overlap`), and dK += dS'^T Q follows it on the tensor cores.
-      dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True, overlap=dv_overlap,
-                            then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
+
+      def probabilities(s_t):
+        lse = _along_queries(lse_smem, bq, interpret) if stats_streamed else lse2
+        return _tile_p(s_t, lse, opts=opts, scale=scale, keep=keep)
+      if p_under_dp:
+        # S^T = K Q^T and dP^T = V dO^T back to back, P^T under the second; then dV +=
+        # P^T dO, with dS'^T computed under it (`dv_overlap`).
+        (p_t, c), dp_t = mm.fresh_pair(k_a, q_smem, v_a, do_smem, (bk, bq), b_t=True,
+                                       under_second=probabilities)
+        mm.issue(dv_acc, p_t.astype(do_smem.dtype), do_smem)
+        if not dv_overlap:
+          mm.wait()
+      else:
+        p_t, c = probabilities(mm.fresh(k_a, q_smem, (bk, bq), b_t=True))  # S^T = K Q^T
+        # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under
+        # the dV product (`dv_overlap`), and dK += dS'^T Q follows it on the tensor cores.
+        dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True, overlap=dv_overlap,
+                              then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
       if stats_streamed:
         delta = _along_queries(delta_smem, bq, interpret)
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
@@ -1367,14 +1397,15 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
                consumers, stages, rows_in_registers=False, persistent=None,
-               edge_overlap=False):
+               p_under_dp=False, edge_overlap=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two or three share the
   key tiles a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
   program of a producer and its consumers loops over work items (query block, head,
-  batch) of the grid it stands for; `edge_overlap`: as `BackwardConfig`'s."""
+  batch) of the grid it stands for; `edge_overlap`: as `BackwardConfig`'s, `p_under_dp`
+  as its `dq_p_under_dp`."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -1382,7 +1413,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   item_at = functools.partial(_dq_program, r, _Products(interpret, r.get("acc")), bq=bq,
                               bk=bk, group=group, interpret=interpret, opts=opts,
                               scale=scale, rows_in_registers=rows_in_registers,
-                              edge_overlap=edge_overlap)
+                              p_under_dp=p_under_dp, edge_overlap=edge_overlap)
   if persistent is None:
     i, b, srcs, consume = item_at(block_of(lax.axis_index("q")), lax.axis_index("heads"),
                                   lax.axis_index("batch"))
@@ -1430,7 +1461,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
-                rows_in_registers, edge_overlap=False):
+                rows_in_registers, p_under_dp=False, edge_overlap=False):
   """The closures of one dQ work item (see `_dq_kernel`), query block i of query head
   n in batch b: (i, b, srcs, consume)."""
   ranges = r["ranges"]
@@ -1475,8 +1506,13 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
         keep = structured_keep(row0 + iota(0), j * bk + iota(1), opts, kv_len=kv_len,
                                q_seg=q_seg, kv_seg=kv_seg)
       k_smem, v_smem = acquire(t)
-      s, dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True)  # QK^T, dO V^T
-      p, c = _tile_p(s, lse2, opts=opts, scale=scale, keep=keep)
+      probabilities = lambda s: _tile_p(s, lse2, opts=opts, scale=scale, keep=keep)
+      if p_under_dp:     # S = Q K^T, dP = dO V^T, P under the second
+        (p, c), dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True,
+                                   under_second=probabilities)
+      else:
+        s, dp = mm.fresh_pair(q_a, k_smem, do_a, v_smem, (bq, bk), b_t=True)
+        p, c = probabilities(s)
       mm.issue(dq_acc, _tile_ds(p, c, dp, delta).astype(k_smem.dtype), k_smem)  # dQ += dS' K
       mm.wait()          # this tile's slot is refilled once the product is done
       if release is not None:
@@ -1720,6 +1756,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                persistent=persistent_grid(grid),
                                stats_streamed=config.stats_streamed,
                                dv_overlap=config.dv_overlap,
+                               p_under_dp=config.dkv_p_under_dp,
                                edge_overlap=config.edge_overlap),
              *grid_of(grid, grid_names),
              x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
@@ -1740,6 +1777,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   grid = (Tp // bq, N, B)
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,
+                                 p_under_dp=config.dq_p_under_dp,
                                  edge_overlap=config.edge_overlap,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
