@@ -548,17 +548,18 @@ def check_backward_vmap(shape=BACKWARD_VMAP_SHAPE, fields=None):
   """The backward under jax.vmap (leading axis of `shape`) against the same calls one by
   one: equal to the last bit, except dq with fused_dq (whose launch has its own
   batching rule). There the copy engine's float32 adds into dQ land in a varying
-  order: each element sums n <= ceil(S / 64) adds (one per consumer's 64 keys), the
-  same terms in both calls, and a float32 sum of n terms moves by at most
+  order: each element sums n <= ceil(S / 64) partial products (one per consumer's 64
+  keys), the same in both calls, and a float32 sum of n terms moves by at most
   n 2^-24 sum|terms| from the exact one whatever the order (Higham, section 4.2), so two
-  orders differ by at most 2 n 2^-24 sum|terms| (sum|terms| = s |dS| |K|, from the float64
-  reference), and rounding each to bf16 adds at most 2^-7 of the larger magnitude
-  (half a bf16 ulp each). `worst` records the element nearest its allowance."""
+  orders differ by at most 2 n 2^-24 sum|terms|, where sum|terms| <= |s| |dS| |K| (taken
+  from the float64 reference's dS, which the kernel's rounded dS' follows closely);
+  rounding each sum to bf16 adds at most 2^-7 of the larger magnitude (half a bf16 ulp
+  each). `worst` records the element nearest its allowance."""
   from pallas_kernels.mosaic_gpu import backward as mb
   row = {"name": "bwd vmapped", "ok": False}
   try:
-    V, *one = shape
-    q, k, v = (jnp.stack(xs) for xs in zip(*(_inputs(tuple(one), jnp.bfloat16, 5 + i)
+    V, *problem = shape
+    q, k, v = (jnp.stack(xs) for xs in zip(*(_inputs(tuple(problem), jnp.bfloat16, 5 + i)
                                               for i in range(V))))
     do = jnp.ones_like(q)
     f = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=IMPL,
@@ -568,7 +569,7 @@ def check_backward_vmap(shape=BACKWARD_VMAP_SHAPE, fields=None):
     looped = [jax.jit(grads)(q[i], k[i], v[i], do[i]) for i in range(V)]
     unordered = {0} if (fields or {}).get("backward_fused_dq") else set()
     if unordered:
-      adds = -(-one[2] // mb.ROWS)
+      adds = -(-problem[2] // mb.ROWS)        # S / 64
       terms = np.stack([jflash.attention_numpy(
           *(np.asarray(x[i], np.float64) for x in (q, k, v)), is_causal=True,
           dout=np.asarray(do[i], np.float64), dq_abs_terms=True)[-1] for i in range(V)])

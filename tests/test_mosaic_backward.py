@@ -757,22 +757,33 @@ def test_lowers_with_item_edges_overlapped(H, causal):
     assert [waits(m) for m in modules] == expected
 
 
+def _schedule(module: str) -> str:
+  """A Mosaic GPU module's matrix products and waits in program order: "M" per issued
+  product, "W0" / "W1" per wait for all / all but one group in flight, "e" per run of
+  exponentials (ex2.approx)."""
+  ops = re.findall(r"(wgmma\.mma_async)|wgmma\.wait\.group\.sync\.aligned\"\(\) \{group = (\d)"
+                   r"|(ex2\.approx)", module)
+  return re.sub("e+", "e", "".join("M" if m else f"W{n}" if n else "e" for m, n, _ in ops))
+
+
 @pytest.mark.parametrize("H,causal", [(64, True), (128, False)])
 def test_lowers_with_p_under_dp(H, causal):
-  """`dkv_p_under_dp`, `dq_p_under_dp` at the defaults' grids, every mask path: each
-  kernel issues both score products before the softmax and waits for the first alone
-  (a wait for all but one group in flight), which the dQ kernel otherwise never does;
-  the dK/dV kernel's count of such waits stays (its dP^T's wait under the dV product
-  becomes S^T's under dP^T)."""
+  """`dkv_p_under_dp`, `dq_p_under_dp` at the defaults' grids, every mask path: in both
+  kernels every tile's exponentials run between a wait for the first of two products
+  in flight and the wait for the second (P under dP), where by default they follow a
+  wait for every product. Each flag changes its own kernel alone."""
   from experiments.lowered import mosaic_modules
   opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
   config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1)
-  waits = lambda module: [module.count(f"group = {n} : i64") for n in (0, 1)]
-  default, under = (
-      [waits(m) for m in mosaic_modules(_lowered(H, opts, with_masks=True, config=c,
-                                                 num_sms=132))]
-      for c in (config, dataclasses.replace(config, dkv_p_under_dp=True, dq_p_under_dp=True)))
-  assert under[0] == default[0] and default[1][1] == 0 and under[1][1] > 0
+  schedules = lambda **fields: [_schedule(m) for m in mosaic_modules(_lowered(
+      H, opts, with_masks=True, config=dataclasses.replace(config, **fields), num_sms=132))]
+  default = schedules()
+  under = schedules(dkv_p_under_dp=True, dq_p_under_dp=True)
+  for d, u in zip(default, under):
+    assert d.count("e") == u.count("e") > 0
+    assert u.count("W1eW0") == u.count("e") and d.count("W0e") == d.count("e")
+  assert schedules(dkv_p_under_dp=True) == [under[0], default[1]]
+  assert schedules(dq_p_under_dp=True) == [default[0], under[1]]
 
 
 @pytest.mark.parametrize("H,fields", [(64, dict(D64_TILES, fused_dq_row_split=True)),

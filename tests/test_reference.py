@@ -40,8 +40,9 @@ def test_dq_abs_terms():
   # keys a query row's dS is (a, -a) (its entries sum to zero), so with k2 = -k1 both
   # terms of each dQ element have one sign and the bound is |dQ| itself.
   q, k, v, do = rand((1, 6, 2, 8), 9), rand((1, 10, 2, 8), 10), rand((1, 10, 2, 8), 11), rand((1, 6, 2, 8), 12)
-  *_, dq, _, _, terms = jflash.attention_numpy(q, k, v, dout=do, dq_abs_terms=True)
-  assert (terms >= np.abs(dq) - 1e-12).all() and (terms > np.abs(dq) + 1e-6).any()
+  for scale in (None, -0.3):
+    *_, dq, _, _, terms = jflash.attention_numpy(q, k, v, scale=scale, dout=do, dq_abs_terms=True)
+    assert (terms >= np.abs(dq) - 1e-12).all() and (terms > np.abs(dq) + 1e-6).any()
   k = rand((1, 1, 1, 8), 13)
   k = np.concatenate([k, -k], axis=1)
   *_, dq, _, _, terms = jflash.attention_numpy(rand((1, 3, 1, 8), 14), k, rand((1, 2, 1, 8), 15),

@@ -208,8 +208,9 @@ class BackwardConfig:
     mosaic_bwd_stats_streamed_time_h200.json).
   dkv_p_under_dp: the dK/dV kernel issues dP^T = V dO^T right behind S^T = K Q^T and
     waits for S^T alone, so that P^T's exponentials run under the dP^T product; dV +=
-    P^T dO is issued after them and dS'^T computed under it (FlashAttention-3's order:
-    both score products before the softmax). False (the default) issues dP^T after
+    P^T dO is issued once P^T is computed, and dS'^T computed under it
+    (FlashAttention-3's order: both score products before the softmax). False (the
+    default) issues dP^T after
     P^T, with dV behind it (tokamax's order): the consumer's own products are then
     idle while it computes P^T. The live registers at the peak, dK, dV, P^T in float32
     and in the input dtype and dP^T, are the same in both orders. Not at the head dims
@@ -671,6 +672,7 @@ class _Products:
     second product's issue does not wait for the first's result). a2 None: one.
     `under_second`: a function of the first result, run after waiting for the first
     product alone, so that it runs under the second; (its value, the second) returned."""
+    assert under_second is None or a2 is not None, "under_second runs under a second product"
     after = under_second or (lambda first: first)
     if self.interpret:
       return after(self._dot(a1, b1, b_t)), (None if a2 is None else self._dot(a2, b2, b_t))
