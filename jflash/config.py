@@ -228,7 +228,8 @@ class MosaicGPUConfig(BackendConfig):
       runs, its dK/dV kernel (dQ kernel) issues both score products of a tile (S^T and
       dP^T; S and dP) before the softmax and waits for the first alone, so that P's
       exponentials run under the second product (FlashAttention-3's order; the dK/dV
-      kernel's not above head_dim 128); None: False.
+      kernel's not above head_dim 128); None: True at head_dim 64 on its default tiles
+      with two consumers (`pallas_kernels.mosaic_gpu.backward.P_UNDER_DP`), else False.
     backward_edge_overlap: whenever the Mosaic GPU backward runs, at each work item's
       edges its kernels issue both fixed tiles' loads before waiting for either and
       both outputs' stores before one wait for the copy engine's reads (not above

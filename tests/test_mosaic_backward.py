@@ -218,16 +218,20 @@ def test_backward_choice_and_validation():
       record(**fields)
   # the dQ kernel's rows in registers by default where it runs two consumers; a
   # caller's choice kept (at this head_dim, 64, tiles of 128 with lse and delta
-  # streamed and the persistent grids by default, the dQ kernel's tiles alone and the
-  # launched grids with one consumer)
+  # streamed, P under dP in both kernels and the persistent grids by default, the dQ
+  # kernel's tiles alone and the launched grids with one consumer)
   own = lambda **fields: mosaic_impl.backward_config(q, k, jflash.prepare(
       q, k, v, config=jflash.MosaicGPUConfig(backward="mosaic_gpu", **fields))[0], masks)
+  d64 = dict(consumers=2, block_n=128, stats_streamed=True, dkv_p_under_dp=True,
+             dq_p_under_dp=True)
   assert own(backward_dq_block_n=64) == mb.BackwardConfig(
       consumers=2, dq_block_n=64, dq_rows_in_registers=True, persistent=True)
-  assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(
-      consumers=2, block_n=128, stats_streamed=True, persistent=True)
-  assert own(backward_persistent=False) == mb.BackwardConfig(
-      consumers=2, block_n=128, stats_streamed=True, dq_rows_in_registers=True)
+  assert own(backward_dq_rows_in_registers=False) == mb.BackwardConfig(**d64, persistent=True)
+  assert own(backward_persistent=False) == mb.BackwardConfig(**d64, dq_rows_in_registers=True)
+  assert own(backward_dkv_p_under_dp=False) == mb.BackwardConfig(
+      **dict(d64, dkv_p_under_dp=False), dq_rows_in_registers=True, persistent=True)
+  assert own(backward_dq_p_under_dp=False) == mb.BackwardConfig(
+      **dict(d64, dq_p_under_dp=False), dq_rows_in_registers=True, persistent=True)
   assert own(backward_consumers=1) == mb.BackwardConfig(consumers=1, dq_block_n=128)
   assert own(backward_fused_dq=True) == mb.BackwardConfig(consumers=2, fused_dq=True)
   for field in ("backward_dq_rows_in_registers", "backward_dq_p_under_dp"):
@@ -768,22 +772,24 @@ def _schedule(module: str) -> str:
 
 @pytest.mark.parametrize("H,causal", [(64, True), (128, False)])
 def test_lowers_with_p_under_dp(H, causal):
-  """`dkv_p_under_dp`, `dq_p_under_dp` at the defaults' grids, every mask path: in both
-  kernels every tile's exponentials run between a wait for the first of two products
-  in flight and the wait for the second (P under dP), where by default they follow a
-  wait for every product. Each flag changes its own kernel alone."""
+  """`dkv_p_under_dp`, `dq_p_under_dp` on the defaults' grids and tiles, every mask path:
+  in both kernels every tile's exponentials run between a wait for the first of two
+  products in flight and the wait for the second (P under dP), where without them they
+  follow a wait for every product. Each flag changes its own kernel alone."""
   from experiments.lowered import mosaic_modules
   opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
-  config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1)
+  config = dataclasses.replace(
+      mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1),
+      dkv_p_under_dp=False, dq_p_under_dp=False)
   schedules = lambda **fields: [_schedule(m) for m in mosaic_modules(_lowered(
       H, opts, with_masks=True, config=dataclasses.replace(config, **fields), num_sms=132))]
-  default = schedules()
+  after = schedules()
   under = schedules(dkv_p_under_dp=True, dq_p_under_dp=True)
-  for d, u in zip(default, under):
-    assert d.count("e") == u.count("e") > 0
-    assert u.count("W1eW0") == u.count("e") and d.count("W0e") == d.count("e")
-  assert schedules(dkv_p_under_dp=True) == [under[0], default[1]]
-  assert schedules(dq_p_under_dp=True) == [default[0], under[1]]
+  for a, u in zip(after, under):
+    assert a.count("e") == u.count("e") > 0
+    assert u.count("W1eW0") == u.count("e") and a.count("W0e") == a.count("e")
+  assert schedules(dkv_p_under_dp=True) == [under[0], after[1]]
+  assert schedules(dq_p_under_dp=True) == [after[0], under[1]]
 
 
 @pytest.mark.parametrize("H,fields", [(64, dict(D64_TILES, fused_dq_row_split=True)),
@@ -952,22 +958,25 @@ def test_interpreted_item_edges_overlapped(H, persistent):
 
 @pytest.mark.parametrize("H,persistent", [(64, True), (128, False)])
 def test_interpreted_p_under_dp(H, persistent):
-  """`dkv_p_under_dp`, `dq_p_under_dp`: P computed between the two score products'
-  waits, dV's product issued after it. GQA causal with tails (T = 200, S = 150) at d =
-  64 on its default tiles and persistent grids (lse and delta streamed) and at d = 128
-  on the launched grids: within the 2x rule and equal to the default's gradients to
-  the bit (the same products and elementwise steps, in another order of issue)."""
+  """`dkv_p_under_dp`, `dq_p_under_dp` (the default at d = 64): P computed between the
+  two score products' waits, dV's product issued after it. GQA causal with tails (T =
+  200, S = 150) at d = 64 on its default tiles and persistent grids (lse and delta
+  streamed) and at d = 128 on the launched grids: within the 2x rule and equal to the
+  other order's gradients to the bit (the same products and elementwise steps, in
+  another order of issue)."""
   q, k, v, do = random_qkv((1, 200, 150, 4, 2, H), jnp.bfloat16, seed=6)
   out, lse = jflash.attention(q, k, v, is_causal=True, implementation="xla",
                               return_residuals=True)
   config = mb.call_config(q.shape, k.shape, 2, causal=True, persistent=persistent,
                           group_splits=1)
   assert (config.persistent, config.stats_streamed) == (persistent, H == 64)
-  got, default = (mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=c,
-                                    opts=MaskOptions(is_causal=True), interpret=True)
-                  for c in (dataclasses.replace(config, dkv_p_under_dp=True,
-                                                dq_p_under_dp=True), config))
-  for g, d in zip(got, default):
+  assert (config.dkv_p_under_dp, config.dq_p_under_dp) == (H == 64,) * 2
+  got, after = (mb.flash_backward(q, k, v, out, lse, do, scale=H ** -0.5, config=c,
+                                  opts=MaskOptions(is_causal=True), interpret=True)
+                for c in (dataclasses.replace(config, dkv_p_under_dp=True, dq_p_under_dp=True),
+                          dataclasses.replace(config, dkv_p_under_dp=False,
+                                              dq_p_under_dp=False)))
+  for g, d in zip(got, after):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(d, np.float32))
   _check_grads(got, q, k, v, do, is_causal=True, scale=H ** -0.5)
 
