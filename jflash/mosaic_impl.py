@@ -115,7 +115,9 @@ BY_ROLE_MIN_SEQ = 1024
 # 16): 355.5 against 329.3; 2K (batch 8) 395.7 against 355.8
 # (mosaic_bwd_d64_short_time_h200.json); 4K (batch 4) 409.8 against 364.0
 # (mosaic_bwd_d64_tiles128_variants_h200.json; 419.1 against 376.8 in another call,
-# mosaic_bwd_stats_streamed_time_h200.json).
+# mosaic_bwd_stats_streamed_time_h200.json). These and the two below were timed with
+# P computed after dP's product (the order before `_bwd.P_UNDER_DP`), which the
+# default's order ran ahead of in one process on an H100.
 D64_MIN_SEQ = 1024
 # ... with a causal mask, on the persistent grids (`persistent_wins`), from 4K: 334.2
 # against 329.4 (mosaic_bwd_d64_persistent_time_h200.json, 5 rounds; 341.5 against 322.9
@@ -212,6 +214,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   # figures above); each also on the launched grids.
   default = backward_config(q, k, cfg, masks, own_fields=False)
   timed = [default]
+  if default.dkv_p_under_dp:     # at d = 64: the order before P_UNDER_DP, timed above
+    timed.append(dataclasses.replace(default, dkv_p_under_dp=False, dq_p_under_dp=False))
   if default.dq_consumers == _bwd.DQ_CONSUMERS_AT_128:
     timed.append(dataclasses.replace(default, dq_consumers=2, dq_rows_in_registers=True))
   timed_config = resolved(config) in [resolved(c) for t in timed

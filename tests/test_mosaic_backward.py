@@ -148,6 +148,9 @@ def test_backward_choice_and_validation():
       ((1, g64, 32, 8), True, {}, "mosaic_gpu"),                  # 256 x 2 splits
       ((1, g64, 8, 2), True, {}, "pallas"),                       # 64 x 4 splits
       ((16, g64 // 2, 32, 8), False, {}, "pallas"),               # shorter, grouped
+      ((4, c64, 32, 32), True, dict(backward_dkv_p_under_dp=False,   # the order timed
+                                    backward_dq_p_under_dp=False), "mosaic_gpu"),
+      ((4, c64, 32, 32), True, dict(backward_dq_p_under_dp=False), "pallas"),  # untimed
       ((4, g64, 32, 32), False, dict(backward_dq_block_n=64), "pallas")):  # untimed
     q64 = jax.ShapeDtypeStruct((B, T, N, 64), jnp.bfloat16)
     k64 = jax.ShapeDtypeStruct((B, T, K, 64), jnp.bfloat16)
@@ -1136,16 +1139,16 @@ def test_interpreted_mqa_causal_group_splits(consumers, group_splits, fused_dq):
 def test_interpreted_default_backward_splits_a_small_causal_group():
   """The adapter's default for a causal MQA call too small to fill the GPU: two
   consumers, a producer, the group split over every head (2 programs per key tile),
-  and d = 64's tiles of 128 in both kernels with lse and delta streamed, on the
-  persistent grids (T = 64, S = 72: one tile each, its tail masked; two programs under
-  the interpreter); gradients through jflash's custom_vjp within the rule."""
+  and d = 64's tiles of 128 in both kernels with lse and delta streamed and P under dP,
+  on the persistent grids (T = 64, S = 72: one tile each, its tail masked; two programs
+  under the interpreter); gradients through jflash's custom_vjp within the rule."""
   q, k, v, do = random_qkv((1, 64, 72, 2, 1, 64), jnp.bfloat16, seed=10)
   impl = api.get_implementation("mosaic_gpu")
   cfg, masks = jflash.prepare(q, k, v, is_causal=True,
                               config=jflash.MosaicGPUConfig(backward="mosaic_gpu"))
   assert mosaic_impl.backward_config(q, k, cfg, masks) == mb.BackwardConfig(
       consumers=2, group_splits=2, block_n=128, stats_streamed=True,
-      dq_rows_in_registers=True, persistent=True)
+      dq_rows_in_registers=True, persistent=True, dkv_p_under_dp=True, dq_p_under_dp=True)
   got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
   _check_grads(got, q, k, v, do, is_causal=True)
 

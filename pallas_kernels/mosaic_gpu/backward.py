@@ -26,9 +26,10 @@ does not run:
   memory; a runtime loop over the query heads of the GQA group and, inside, over the
   query tiles of the transposed per-tile schedule (`build_ranges(..., transpose=True)`)
   computes S^T = K Q^T and dP^T = V dO^T, so that P^T and dS'^T enter dV += P^T dO and
-  dK += dS'^T Q as register operands straight from the accumulator. The dV product is
-  issued right behind dP^T and runs while dS'^T is computed (FlashAttention-3's
-  backward overlap). dK/dV sum in accumulator registers: no atomics, deterministic.
+  dK += dS'^T Q as register operands straight from the accumulator. The dV product
+  runs while dS'^T is computed (FlashAttention-3's backward overlap): issued right
+  behind dP^T, or with `dkv_p_under_dp` (the default on d = 64's tiles) after P^T is
+  computed under the dP^T product. dK/dV sum in accumulator registers: no atomics, deterministic.
   With `BackwardConfig.group_splits` > 1 the grid is (key tiles, key heads,
   group_splits, batch): each of a key tile's programs loops over its own share of the
   group's query heads and writes float32 partial dK, dV, summed after the kernel.
@@ -208,17 +209,18 @@ class BackwardConfig:
     mosaic_bwd_stats_streamed_time_h200.json).
   dkv_p_under_dp: the dK/dV kernel issues dP^T = V dO^T right behind S^T = K Q^T and
     waits for S^T alone, so that P^T's exponentials run under the dP^T product; dV +=
-    P^T dO is issued once P^T is computed, and dS'^T computed under it
+    P^T dO is issued once both are waited for, and dS'^T computed under it
     (FlashAttention-3's order: both score products before the softmax). False issues
     dP^T after P^T, with dV behind it (tokamax's order): the consumer's own products
     are then idle while it computes P^T. The live registers at the peak, dK, dV, P^T in
     float32 and in the input dtype and dP^T, are the same in both orders. Not at the
     head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP: on
-    an H100, fwd+bwd 1-12% faster at d = 64, most with a causal mask; at d = 128 1%
-    slower, 5% with dq_p_under_dp too).
+    an H100, fwd+bwd at d = 64 level without a mask (+0.8%) and 3.5-12% faster with a
+    causal one; at d = 128 1% slower, 5% with dq_p_under_dp too).
   dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
     back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
-    `call_config` takes it with dkv_p_under_dp.
+    `call_config` takes it where it takes dkv_p_under_dp (each unless the caller set
+    it).
   edge_overlap: at each work item's edges (a program's start and end, or between a
     persistent program's items), both kernels issue the two fixed tiles' loads (K and
     V; Q and dO) before waiting for either, and the outputs' stores (dK and dV; dQ)
@@ -467,13 +469,15 @@ L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 
 
 # Both kernels' score products issued before the softmax (`dkv_p_under_dp`,
-# `dq_p_under_dp`) on d = 64's tiles with two consumers. fwd+bwd TF/s against the
-# default order in one process on an H100 (jax 0.11.2; mosaic_bwd_p_under_dp_time_h100.json,
-# mosaic_bwd_dq_p_under_dp_d64_time_h100.json, mosaic_bwd_p_under_dp_d64_more_time_h100.json),
-# two calls at 4K: 416.2 and 423.9 against 413.0 and 420.4, causal 361.8 and 359.6
-# against 343.2 and 344.8; causal GQA 32/8 4K 377.5 against 351.8, 16K 427.1 against
-# 382.5, 1K 242.1 against 233.9. At head_dim 128 slower: 16K 512.4 against 541.0, the
-# dK/dV kernel's alone 533.9.
+# `dq_p_under_dp`) on d = 64's tiles (128 query rows, lse and delta streamed, two
+# consumers). fwd+bwd TF/s against the order before (P after dP's product was issued) in
+# one process on an H100 (jax 0.11.2; mosaic_bwd_p_under_dp_time_h100.json,
+# mosaic_bwd_dq_p_under_dp_d64_time_h100.json, mosaic_bwd_p_under_dp_d64_more_time_h100.json;
+# persistent grids, one group split), two calls at 4K: 416.2 and 423.9 against 413.0
+# and 420.4, causal 361.8 and 359.6 against 343.2 and 344.8; causal GQA 32/8 4K 377.5
+# against 351.8, MHA 16K 427.1 against 382.5 and 1K 242.1 against 233.9. The launched
+# grids and group splits take it untimed (the order is within a consumer's tile). At
+# head_dim 128 slower: 16K 512.4 against 541.0, the dK/dV kernel's flag alone 533.9.
 P_UNDER_DP = ("dkv_p_under_dp", "dq_p_under_dp")
 
 
@@ -481,9 +485,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   """The backward's config for a call of q [B, T, N, H] and k [B, S, K, H]: the
   caller's BackwardConfig `fields` over two consumers; at head_dim 64, unless the
   caller set block_n, dq_block_n or stats_streamed, tiles of BLOCK_N_AT_64
-  (`tiles_at_64`) and, with two consumers, P under dP in both kernels (P_UNDER_DP,
-  each unless the caller set it); unless the caller set dq_rows_in_registers, the dQ kernel's rows
-  in registers where it runs with two (`dq_consumers_of`; not at the head dims split
+  (`tiles_at_64`) and, where both kernels take them, P under dP in both (P_UNDER_DP,
+  each unless the caller set it); unless the caller set dq_rows_in_registers, the dQ
+  kernel's rows in registers where it runs with two (`dq_consumers_of`; not at the head dims split
   by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
   kernel runs); unless the caller set persistent, the persistent grids where they
   measured faster (`persistent_wins`: one key head per query head without a causal
@@ -507,7 +511,7 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   if (H == 64 and not config.fused_dq
       and not {"block_n", "dq_block_n", "stats_streamed"} & set(fields)):
     config = tiles_at_64(config, itemsize)
-    if config.consumers == 2:
+    if config.stats_streamed:      # both kernels on d = 64's tiles, as timed
       config = dataclasses.replace(config, **{f: True for f in P_UNDER_DP if f not in fields})
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
       and (config.dq_block_n or config.block_n) == ROWS):
