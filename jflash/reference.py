@@ -86,7 +86,8 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   bias is given; with `dq_abs_terms` also |s| |dlogits| |K| last, the sum of the
   absolute terms of each dQ element (which bounds how far a float32 sum of them, or of
   partial sums of them, moves when the order of its adds changes: Higham, Accuracy and
-  Stability of Numerical Algorithms, section 4.2). Gradients are the closed-form softmax backward:
+  Stability of Numerical Algorithms, section 4.2). Gradients are the closed-form
+  softmax backward:
     dV = P~^T dO, dP~ = dO V^T, dP = dP~ * Z/(1-r), dS = P * (dP - rowsum(dO * O)),
     dlogits = dS * (1 - tanh^2) with a soft cap, dQ = s dlogits K, dK = s dlogits^T Q,
   where P~ = P * Z/(1-r) is P after dropout with keep mask Z.
@@ -145,7 +146,8 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
     bshape = np.shape(bias)
     grads += (ds.sum(axis=tuple(i for i in (0, 1) if bshape[i] == 1), keepdims=True),)
   if dq_abs_terms:
-    grads += (np.einsum("bnts,bsnh->btnh", np.abs(dlogits), np.abs(kr), optimize=True) * abs(scale),)
+    abs_terms = np.einsum("bnts,bsnh->btnh", np.abs(dlogits), np.abs(kr), optimize=True)
+    grads += (abs_terms * abs(scale),)
   return (out, lse) + grads
 
 

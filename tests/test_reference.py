@@ -39,7 +39,8 @@ def test_dq_abs_terms():
   # s |dS| |K| bounds |dQ| (triangle inequality), strictly where terms cancel; with two
   # keys a query row's dS is (a, -a) (its entries sum to zero), so with k2 = -k1 both
   # terms of each dQ element have one sign and the bound is |dQ| itself.
-  q, k, v, do = rand((1, 6, 2, 8), 9), rand((1, 10, 2, 8), 10), rand((1, 10, 2, 8), 11), rand((1, 6, 2, 8), 12)
+  q, do = rand((1, 6, 2, 8), 9), rand((1, 6, 2, 8), 12)
+  k, v = rand((1, 10, 2, 8), 10), rand((1, 10, 2, 8), 11)
   for scale in (None, -0.3):
     *_, dq, _, _, terms = jflash.attention_numpy(q, k, v, scale=scale, dout=do, dq_abs_terms=True)
     assert (terms >= np.abs(dq) - 1e-12).all() and (terms > np.abs(dq) + 1e-6).any()

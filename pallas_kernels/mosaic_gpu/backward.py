@@ -29,7 +29,8 @@ does not run:
   dK += dS'^T Q as register operands straight from the accumulator. The dV product
   runs while dS'^T is computed (FlashAttention-3's backward overlap): issued right
   behind dP^T, or with `dkv_p_under_dp` (the default on d = 64's tiles) after P^T is
-  computed under the dP^T product. dK/dV sum in accumulator registers: no atomics, deterministic.
+  computed under the dP^T product. dK/dV sum in accumulator registers: no atomics,
+  deterministic.
   With `BackwardConfig.group_splits` > 1 the grid is (key tiles, key heads,
   group_splits, batch): each of a key tile's programs loops over its own share of the
   group's query heads and writes float32 partial dK, dV, summed after the kernel.
@@ -487,9 +488,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   caller set block_n, dq_block_n or stats_streamed, tiles of BLOCK_N_AT_64
   (`tiles_at_64`) and, where both kernels take them, P under dP in both (P_UNDER_DP,
   each unless the caller set it); unless the caller set dq_rows_in_registers, the dQ
-  kernel's rows in registers where it runs with two (`dq_consumers_of`; not at the head dims split
-  by role, where dQ alone takes d / 2 registers, nor with fused_dq, where no dQ
-  kernel runs); unless the caller set persistent, the persistent grids where they
+  kernel's rows in registers where it runs with two (`dq_consumers_of`; not at the
+  head dims split by role, where dQ alone takes d / 2 registers, nor with fused_dq,
+  where no dQ kernel runs); unless the caller set persistent, the persistent grids where they
   measured faster (`persistent_wins`: one key head per query head without a causal
   mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
   consumers, at head_dim 64 causal ones in groups of L2_GROUP tiles per head from
