@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -238,6 +239,8 @@ def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
 AB_OWN_HELPERS = """
 import sys
 from pathlib import Path
+
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from experiments import ab_kernels
@@ -299,6 +302,17 @@ def test_mosaic_check_backward_writes_under_its_name(tmp_path, monkeypatch):
   assert cases and all("off-table" in r for r in cases)
   assert len(cases) == sum("off-table" in c[0] for c in mosaic_check.backward_cases())
   assert ran.count("extra") == 2     # the NaN row and vmap, whatever --only selects
+
+
+def test_allowance_share_names_the_worst_element():
+  # The vmap check's worst element: the largest share of its allowance, not the largest
+  # margin (an element equal to 0 in both calls, with nothing allowed, is not the worst).
+  from experiments.mosaic_check import allowance_share
+  diff = np.array([0.0, 4.9e-4, 1e-3, 0.0])
+  allowed = np.array([0.0, 5e-4, 1e-2, 1e-3])
+  np.testing.assert_allclose(allowance_share(diff, allowed), [0.0, 0.98, 0.1, 0.0])
+  assert np.argmax(allowance_share(diff, allowed)) == 1
+  assert allowance_share(np.array([1e-9]), np.array([0.0]))[0] == np.inf
 
 
 def test_mosaic_check_backward_variants_on_a_cpu(capsys):
