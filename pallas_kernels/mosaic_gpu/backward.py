@@ -215,9 +215,10 @@ class BackwardConfig:
     dP^T after P^T, with dV behind it (tokamax's order): the consumer's own products
     are then idle while it computes P^T. The live registers at the peak, dK, dV, P^T in
     float32 and in the input dtype and dP^T, are the same in both orders. Not at the
-    head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP: on
-    an H100, fwd+bwd at d = 64 level without a mask (+0.8%) and 3.5-12% faster with a
-    causal one; at d = 128 1% slower, 5% with dq_p_under_dp too).
+    head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP:
+    fwd+bwd at d = 64 about 1% faster without a mask and 3.5-12% with a causal one,
+    on an H100 and on the H200; at d = 128 slower, 1-3% alone, 5% with
+    dq_p_under_dp too).
   dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
     back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
     `call_config` takes it where it takes dkv_p_under_dp (each unless the caller set
@@ -477,8 +478,12 @@ L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 # persistent grids, one group split), two calls at 4K: 416.2 and 423.9 against 413.0
 # and 420.4, causal 361.8 and 359.6 against 343.2 and 344.8; causal GQA 32/8 4K 377.5
 # against 351.8, MHA 16K 427.1 against 382.5 and 1K 242.1 against 233.9. The launched
-# grids and group splits take it untimed (the order is within a consumer's tile). At
-# head_dim 128 slower: 16K 512.4 against 541.0, the dK/dV kernel's flag alone 533.9.
+# grids and group splits take it untimed (the order is within a consumer's tile). On
+# the H200 (mosaic_bwd_p_under_dp_d64_time_h200.json): 4K 427.0 against 422.9, causal
+# 365.8 against 344.3, causal GQA 32/8 4K 385.6 against 360.5, causal 16K 410.9 against
+# 390.8. At head_dim 128 slower: on the H100 16K 512.4 against 541.0, the dK/dV
+# kernel's flag alone 533.9; on the H200 that flag alone 542.2 against 553.0 (causal
+# 511.2 against 525.3), the dQ kernel's alone 543.9 against 549.6.
 P_UNDER_DP = ("dkv_p_under_dp", "dq_p_under_dp")
 
 
