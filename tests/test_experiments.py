@@ -239,8 +239,6 @@ def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
 AB_OWN_HELPERS = """
 import sys
 from pathlib import Path
-
-import numpy as np
 import jax.numpy as jnp
 import pytest
 from experiments import ab_kernels
@@ -313,6 +311,9 @@ def test_allowance_share_names_the_worst_element():
   np.testing.assert_allclose(allowance_share(diff, allowed), [0.0, 0.98, 0.1, 0.0])
   assert np.argmax(allowance_share(diff, allowed)) == 1
   assert allowance_share(np.array([1e-9]), np.array([0.0]))[0] == np.inf
+  # a NaN (in either call, so in its allowance too) is the worst element, not a 0 share
+  nan_share = allowance_share(np.array([1e-4, np.nan]), np.array([1e-3, np.nan]))
+  assert nan_share[1] == np.inf and np.argmax(nan_share) == 1
 
 
 def test_mosaic_check_backward_variants_on_a_cpu(capsys):
@@ -473,7 +474,6 @@ def test_mosaic_check_times_rows_the_benchmarks_way(monkeypatch):
   # call's inputs from L2) in its rounds. The timed programs are stubbed: this tests the
   # script's plumbing, not a kernel.
   import argparse
-  import numpy as np
   from experiments import mosaic_check
   from experiments.bench import specs
   method = mosaic_check.timing_method(argparse.Namespace(as_benchmark=True))

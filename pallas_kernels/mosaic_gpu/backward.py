@@ -165,8 +165,8 @@ class BackwardConfig:
     there on the H200 on 64-row tiles; on d = 64's default tiles, 128 rows with lse
     and delta streamed, slower: 4K fwd+bwd 364.7 TF/s against 409.8,
     mosaic_bwd_d64_tiles128_variants_h200.json); at d = 128 they take 32 + 32 beside
-    dK and dV's 128, where the consumer already spills (correct on the H200, not
-    timed).
+    dK and dV's 128, where the consumer already spills (correct on the H200; 16K
+    fwd+bwd 452.7 TF/s against 549.6, mosaic_bwd_d128_forms_time_h200.json).
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
     head and batch) that would each have been a program (`item_coords` says in which
@@ -216,9 +216,9 @@ class BackwardConfig:
     are then idle while it computes P^T. The live registers at the peak, dK, dV, P^T in
     float32 and in the input dtype and dP^T, are the same in both orders. Not at the
     head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP:
-    fwd+bwd at d = 64 about 1% faster without a mask and 3.5-12% with a causal one,
-    on an H100 and on the H200; at d = 128 slower, 1-3% alone, 5% with
-    dq_p_under_dp too).
+    fwd+bwd at d = 64 about 1% faster without a mask, with a causal one 3.5-12% on an
+    H100 and 5-7% on the H200; at d = 128 slower, alone 1% on the H100 and 2-3% on
+    the H200, with dq_p_under_dp too 5% on the H100).
   dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
     back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
     `call_config` takes it where it takes dkv_p_under_dp (each unless the caller set
@@ -481,9 +481,12 @@ L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 # grids and group splits take it untimed (the order is within a consumer's tile). On
 # the H200 (mosaic_bwd_p_under_dp_d64_time_h200.json): 4K 427.0 against 422.9, causal
 # 365.8 against 344.3, causal GQA 32/8 4K 385.6 against 360.5, causal 16K 410.9 against
-# 390.8. At head_dim 128 slower: on the H100 16K 512.4 against 541.0, the dK/dV
-# kernel's flag alone 533.9; on the H200 that flag alone 542.2 against 553.0 (causal
-# 511.2 against 525.3), the dQ kernel's alone 543.9 against 549.6.
+# 390.8. Both flags: with a causal mask together ahead of either alone in every cell
+# timed but 16K on the H200 (the dK/dV kernel's alone 416.1, one call of 3 rounds),
+# without one all three within 1% (on the H100 4K 418.0 with the dK/dV kernel's
+# alone, 416.2 with both). At head_dim 128 slower: on the H100 16K 512.4 against
+# 541.0, the dK/dV kernel's flag alone 533.9; on the H200 that flag alone 542.2 against
+# 553.0 (causal 511.2 against 525.3), the dQ kernel's alone 543.9 against 549.6.
 P_UNDER_DP = ("dkv_p_under_dp", "dq_p_under_dp")
 
 
