@@ -548,7 +548,8 @@ def allowance_share(diff, allowed):
   """Each element's difference over its allowance: 0 where both are 0, infinite where it
   differs with nothing allowed or is NaN, so the largest share names the worst element."""
   diff, allowed = np.broadcast_arrays(np.asarray(diff, np.float64), allowed)
-  return np.divide(diff, allowed, out=np.where(diff <= 0, 0.0, np.inf), where=allowed > 0)
+  share = np.divide(diff, allowed, out=np.where(diff <= 0, 0.0, np.inf), where=allowed > 0)
+  return np.where(np.isnan(share), np.inf, share)
 
 
 def check_backward_vmap(shape=BACKWARD_VMAP_SHAPE, fields=None):

@@ -314,6 +314,7 @@ def test_allowance_share_names_the_worst_element():
   # a NaN (in either call, so in its allowance too) is the worst element, not a 0 share
   nan_share = allowance_share(np.array([1e-4, np.nan]), np.array([1e-3, np.nan]))
   assert nan_share[1] == np.inf and np.argmax(nan_share) == 1
+  assert allowance_share(np.array([np.nan]), np.array([1e-3]))[0] == np.inf  # inf - inf
 
 
 def test_mosaic_check_backward_variants_on_a_cpu(capsys):

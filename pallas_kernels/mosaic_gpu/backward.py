@@ -481,10 +481,11 @@ L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 # grids and group splits take it untimed (the order is within a consumer's tile). On
 # the H200 (mosaic_bwd_p_under_dp_d64_time_h200.json): 4K 427.0 against 422.9, causal
 # 365.8 against 344.3, causal GQA 32/8 4K 385.6 against 360.5, causal 16K 410.9 against
-# 390.8. Both flags: with a causal mask together ahead of either alone in every cell
-# timed but 16K on the H200 (the dK/dV kernel's alone 416.1, one call of 3 rounds),
-# without one all three within 1% (on the H100 4K 418.0 with the dK/dV kernel's
-# alone, 416.2 with both). At head_dim 128 slower: on the H100 16K 512.4 against
+# 390.8. With a causal mask both flags beat either alone wherever one alone was timed,
+# except 16K on the H200 (the dK/dV kernel's alone 416.1, one call of 3 rounds);
+# without one, both and each alone are within 1% in each call (on the H100 the flags
+# alone ran in separate calls: 4K 418.0 with the dK/dV kernel's against 416.2 with
+# both, 422.7 with the dQ kernel's against 423.9). At head_dim 128 slower: on the H100 16K 512.4 against
 # 541.0, the dK/dV kernel's flag alone 533.9; on the H200 that flag alone 542.2 against
 # 553.0 (causal 511.2 against 525.3), the dQ kernel's alone 543.9 against 549.6.
 P_UNDER_DP = ("dkv_p_under_dp", "dq_p_under_dp")
