@@ -485,9 +485,10 @@ L2_GROUP, L2_GROUP_MIN_PAIRS = 8, 128
 # except 16K on the H200 (the dK/dV kernel's alone 416.1, one call of 3 rounds);
 # without one, both and each alone are within 1% in each call (on the H100 the flags
 # alone ran in separate calls: 4K 418.0 with the dK/dV kernel's against 416.2 with
-# both, 422.7 with the dQ kernel's against 423.9). At head_dim 128 slower: on the H100 16K 512.4 against
-# 541.0, the dK/dV kernel's flag alone 533.9; on the H200 that flag alone 542.2 against
-# 553.0 (causal 511.2 against 525.3), the dQ kernel's alone 543.9 against 549.6.
+# both, 422.7 with the dQ kernel's against 423.9). At head_dim 128 slower: on the H100
+# 16K 512.4 against 541.0, the dK/dV kernel's flag alone 533.9; on the H200 that flag
+# alone 542.2 against 553.0 (causal 511.2 against 525.3), the dQ kernel's alone 543.9
+# against 549.6.
 P_UNDER_DP = ("dkv_p_under_dp", "dq_p_under_dp")
 
 
@@ -499,9 +500,9 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   each unless the caller set it); unless the caller set dq_rows_in_registers, the dQ
   kernel's rows in registers where it runs with two (`dq_consumers_of`; not at the
   head dims split by role, where dQ alone takes d / 2 registers, nor with fused_dq,
-  where no dQ kernel runs); unless the caller set persistent, the persistent grids where they
-  measured faster (`persistent_wins`: one key head per query head without a causal
-  mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
+  where no dQ kernel runs); unless the caller set persistent, the persistent grids
+  where they measured faster (`persistent_wins`: one key head per query head without a
+  causal mask; at head_dim 64 groups of up to 4, causal or not) and both kernels run two
   consumers, at head_dim 64 causal ones in groups of L2_GROUP tiles per head from
   L2_GROUP_MIN_PAIRS (batch, key head) pairs unless the caller set l2_group;
   unless the caller set dq_consumers or dq_rows_in_registers, at head_dim 128 and those
@@ -522,7 +523,8 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
       and not {"block_n", "dq_block_n", "stats_streamed"} & set(fields)):
     config = tiles_at_64(config, itemsize)
     if config.stats_streamed:      # both kernels on d = 64's tiles, as timed
-      config = dataclasses.replace(config, **{f: True for f in P_UNDER_DP if f not in fields})
+      config = dataclasses.replace(
+          config, **{f: True for f in P_UNDER_DP if f not in fields})
   if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
       and (config.dq_block_n or config.block_n) == ROWS):
     config = where_it_fits(config, H, itemsize, dq_consumers=DQ_CONSUMERS_ABOVE_128)
