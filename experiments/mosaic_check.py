@@ -638,8 +638,8 @@ BACKWARD_CELLS = [  # (name, B, S, N, K, H)
     ("GQA 32/8 4K d64", 4, 4096, 32, 8, 64),   # grouped heads at d = 64's tiles
     ("2K d64", 8, 2048, 32, 32, 64),          # D64_MIN_SEQ's lengths
     ("1K d64", 16, 1024, 32, 32, 64),
-    # d = 64 without a mask from 4K to 16K: the fused row split's lead over the two
-    # kernels in one process grows with the length (mosaic_notes.md, session 34)
+    # d = 64 without a mask from 4K to 16K: the lengths at which the fused row split
+    # (backward_fused_dq_row_split) is timed against the two-kernel backward
     ("8K d64", 2, 8192, 32, 32, 64),
     ("16K d64", 1, 16384, 32, 32, 64),        # also a long causal grid at d = 64's tiles
     ("4K d256", 4, 4096, 8, 8, 256),

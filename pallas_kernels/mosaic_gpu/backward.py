@@ -145,9 +145,12 @@ class BackwardConfig:
     d = 64 a program's tile pair (128 keys, 128 queries) is 10.5 MFLOP over five
     products and 64 KiB of reduce-adds without the split: 3.75 TB/s into L2 for the
     card at 600 TF/s, 1.9 with it. Correct on an H100, 16% faster than the whole
-    tile's form there and still slower than the default: 276.9 TF/s, 404.4 on the
-    persistent grid (causal 248.3, 316.2) against 421.4 (350.0); ptxas spills 376
-    bytes (mosaic_bwd_fused_d64_h100.json).
+    tile's form there and slower than the default of the order before P under dP:
+    276.9 TF/s, 404.4 on the persistent grid (causal 248.3, 316.2) against 421.4
+    (350.0); ptxas spills 376 bytes (mosaic_bwd_fused_d64_h100.json). On the
+    persistent grid with dkv_p_under_dp, level with today's default at 4K d = 64
+    without a mask (0.98-1.04x, H100s and an H200), 0.92x causal
+    (mosaic_bwd_fused_rows_p_under_dp_*.json).
   dq_block_n: key rows per tile of the dQ kernel (the N of its S and dP), where it
     differs from the dK/dV kernel's block_n; None: block_n.
   dq_rows_in_registers: the dQ kernel's consumers hold their fixed Q and dO rows in
