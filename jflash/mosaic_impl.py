@@ -215,7 +215,7 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
   default = backward_config(q, k, cfg, masks, own_fields=False)
   timed = [default]
   if default.dkv_p_under_dp:     # at d = 64: the order before P_UNDER_DP, timed above
-    timed.append(dataclasses.replace(default, dkv_p_under_dp=False, dq_p_under_dp=False))
+    timed.append(dataclasses.replace(default, **dict.fromkeys(_bwd.P_UNDER_DP, False)))
   if default.dq_consumers == _bwd.DQ_CONSUMERS_AT_128:
     timed.append(dataclasses.replace(default, dq_consumers=2, dq_rows_in_registers=True))
   timed_config = resolved(config) in [resolved(c) for t in timed

@@ -218,10 +218,8 @@ class BackwardConfig:
     dP^T after P^T, with dV behind it (tokamax's order): the consumer's own products
     are then idle while it computes P^T. The live registers at the peak, dK, dV, P^T in
     float32 and in the input dtype and dP^T, are the same in both orders. Not at the
-    head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP:
-    fwd+bwd at d = 64 about 1% faster without a mask, with a causal one 3.5-12% on an
-    H100 and 5-7% on the H200; at d = 128 slower, alone 1% on the H100 and 2-3% on
-    the H200, with dq_p_under_dp too 5% on the H100).
+    head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP,
+    whose comment has the timings: faster at d = 64, slower at d = 128).
   dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
     back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
     `call_config` takes it where it takes dkv_p_under_dp (each unless the caller set
