@@ -16,24 +16,28 @@ def _xla():
 def _xla_chunked():
   from jflash import chunked
   return Implementation("xla_chunked", forward=chunked.forward, backward=chunked.backward,
-                        config_type=config.ChunkedConfig)
+                        config_type=config.ChunkedConfig, preferred_on=chunked.PREFERRED_ON)
 
 
 def _pallas():
   from jflash import pallas_impl
   return Implementation("pallas", forward=pallas_impl.forward,
                         backward=pallas_impl.backward, supports=pallas_impl.supports,
-                        config_type=config.PallasConfig)
+                        config_type=config.PallasConfig,
+                        preferred_on=pallas_impl.PREFERRED_ON)
 
 
 def _mosaic_gpu():
   from jflash import mosaic_impl
   return Implementation("mosaic_gpu", forward=mosaic_impl.forward,
                         backward=mosaic_impl.backward, supports=mosaic_impl.supports,
-                        config_type=config.MosaicGPUConfig)
+                        config_type=config.MosaicGPUConfig,
+                        preferred_on=mosaic_impl.PREFERRED_ON)
 
 
 def _hip():
+  # Preferred nowhere: the MI50 kernels take half precision and no dense mask, bias
+  # or dropout, so they run when named.
   from jflash import hip_impl
   return Implementation("hip", forward=hip_impl.forward, backward=hip_impl.backward,
                         supports=hip_impl.supports, config_type=config.HipConfig)

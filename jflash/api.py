@@ -28,6 +28,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jflash import platforms
 from jflash.config import BackendConfig
 from jflash.masks import Masks, seed_from_key
 
@@ -64,7 +65,8 @@ class Implementation:
   for a given call. `cfg` is an `AttentionConfig`, `masks` a `jflash.masks.Masks`
   (always given, passed positionally); `backward` returns dbias when `masks.bias` is set.
   `config_type` is the `jflash.config` class this implementation reads from
-  `cfg.backend_config(...)`, or None when it takes no config.
+  `cfg.backend_config(...)`, or None when it takes no config. `preferred_on` names the
+  device kinds (`jflash.platforms.device_kinds`) where `implementation=None` tries it.
   """
 
   name: str
@@ -73,6 +75,7 @@ class Implementation:
   direct: Callable[..., tuple[Array, Array]] | None = None
   supports: Callable[..., None] = lambda q, k, v, cfg, masks: None
   config_type: type[BackendConfig] | None = None
+  preferred_on: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -96,14 +99,18 @@ def get_implementation(name: str) -> Implementation:
   return _REGISTRY[name]()
 
 
-def default_implementation() -> tuple[str, ...]:
-  """The best implementation for the default backend, then its fallbacks."""
-  if jax.default_backend() == "gpu":
-    from jflash.mosaic_impl import device_capability, is_hopper
-    if is_hopper(device_capability()[1]):
-      return ("mosaic_gpu", "pallas", "xla_chunked")   # Hopper: wgmma + TMA kernels
-    return ("pallas", "xla_chunked")
-  return ("xla_chunked",)
+def default_implementation(device=None) -> tuple[str, ...]:
+  """What `implementation=None` tries on `device` (default: the default device), in
+  order: every implementation preferred on one of the device's kinds, those preferred on
+  a more specific kind first (Hopper before any GPU before any device), ties in
+  registration order."""
+  kinds = platforms.device_kinds(device)
+  ranked = []
+  for i, name in enumerate(_REGISTRY):
+    hits = [kinds.index(k) for k in get_implementation(name).preferred_on if k in kinds]
+    if hits:
+      ranked.append((min(hits), i, name))
+  return tuple(name for _, _, name in sorted(ranked))
 
 
 # -- input checks ---------------------------------------------------------------
@@ -454,27 +461,6 @@ def _flash_call(q, k, v, masks, impl, cfg):
     if _JAX_FORWARD_MODE_ERROR not in str(e):
       raise
     _forward_mode_error()
-
-
-def first_order_only(fn: Callable, what: str) -> Callable:
-  """Wraps an array function whose kernels have no derivative of their own.
-
-  The custom_vjp above never differentiates `forward`/`backward` for a first-order
-  gradient; a second-order one (grad of grad) would, and gets a clear error instead of
-  a failure deep inside the kernel lowering.
-  """
-  @jax.custom_jvp
-  def wrapped(*args):
-    return fn(*args)
-
-  @wrapped.defjvp
-  def _jvp(primals, tangents):
-    raise NotImplementedError(
-        f"{what} has no derivative of its own, so second-order gradients (grad of "
-        "grad, hessians) are not implemented for it; use implementation='xla_chunked'"
-        " or 'xla' for higher-order derivatives")
-
-  return wrapped
 
 
 def attention(

@@ -13,7 +13,12 @@ from jax import lax
 
 from jflash.config import ChunkedConfig
 from jflash.masks import masked_logits
+from jflash.platforms import ANY
 from jflash.reference import stat_dtype
+
+# The device kinds (jflash.platforms.device_kinds) where `implementation=None` tries
+# this implementation: every device, after the kernels preferred there.
+PREFERRED_ON = (ANY,)
 
 
 def _blocks(x, block):

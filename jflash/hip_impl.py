@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 import hip_ffi
 from hip_ffi import build
-from jflash.api import first_order_only
 from jflash.config import HipConfig
+from jflash.derivatives import first_order_only
 from jflash.masks import Masks, kernel_records
 from pallas_kernels.masking import build_ranges
 

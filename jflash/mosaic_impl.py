@@ -17,28 +17,19 @@ import jax
 import jax.numpy as jnp
 
 from jflash import pallas_impl
-from jflash.api import first_order_only
 from jflash.config import MosaicGPUConfig
+from jflash.derivatives import first_order_only
 from jflash.masks import Masks, kernel_records
+from jflash.platforms import device_capability, is_hopper
 from pallas_kernels.mosaic_gpu import backward as _bwd
 from pallas_kernels.mosaic_gpu import forward as _fwd
 
+# The device kinds (jflash.platforms.device_kinds) where `implementation=None` tries
+# this implementation, before those preferred on less specific kinds.
+PREFERRED_ON = ("hopper",)
+
 # Fields of `Masks` the kernel takes; the others raise NotImplementedError.
 UNSUPPORTED_MASKS = ("mask", "bias", "dropout_rate", "dropout_seed")
-
-
-def device_capability(device=None) -> tuple[str, str | None]:
-  """(platform, compute capability) of the default device, e.g. ("gpu", "9.0"); the
-  capability is None off NVIDIA GPUs."""
-  device = device or jax.devices()[0]
-  if device.platform != "gpu" or "cuda" not in str(device.client.platform_version).lower():
-    return device.platform, None
-  return device.platform, str(getattr(device, "compute_capability", None))
-
-
-def is_hopper(capability: str | None) -> bool:
-  """Compute capability 9.x: the wgmma, TMA and setmaxnreg instructions this kernel uses."""
-  return capability is not None and capability.startswith("9.")
 
 
 def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from jflash.api import first_order_only
 from jflash.config import PallasConfig
+from jflash.derivatives import first_order_only
 from jflash.masks import Masks, kernel_records
 from pallas_kernels import backward as _bwd
 from pallas_kernels import forward as _fwd
 from pallas_kernels.tuning import BlockSizes, padded_head_dim
+
+# The device kinds (jflash.platforms.device_kinds) where `implementation=None` tries
+# this implementation: any GPU Triton compiles for.
+PREFERRED_ON = ("gpu",)
 
 # The largest padded head_dim with a tile table entry (pallas_kernels/tuning.py): one
 # K/V tile row must fit the kernels' registers and shared memory next to the Q tile.
