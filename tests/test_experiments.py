@@ -130,7 +130,7 @@ def test_ring_gpu_tiny(tmp_path):
 
 def test_profile_step_sums_the_steps_ops_from_the_profiler(tmp_path):
   # On a CPU the trace's XLA ops are the host's; the step's module only.
-  run_script("profile_step", tmp_path, "--hlo", "--name", "ps")
+  run_script("tools.profile_step", tmp_path, "--hlo", "--name", "ps")
   res = load(tmp_path, "ps")
   rows = res["rows"]
   assert rows and all(r["ms"] >= 0 and r["calls"] > 0 for r in rows)
@@ -143,7 +143,7 @@ def test_profile_step_sums_the_steps_ops_from_the_profiler(tmp_path):
 
 def test_profile_step_of_one_attention_cell(tmp_path):
   # --cell: one attention forward + backward (here the plain "xla" path) instead of the LM.
-  run_script("profile_step", tmp_path, "--cell", "tiny causal", "--impl", "xla", "--hlo",
+  run_script("tools.profile_step", tmp_path, "--cell", "tiny causal", "--impl", "xla", "--hlo",
              "--name", "pc")
   res = load(tmp_path, "pc")
   assert res["rows"] and res["config"]["cell"]["name"] == "tiny causal"
@@ -158,7 +158,7 @@ def test_profile_step_of_one_attention_cell(tmp_path):
   with gzip.open(tmp_path / res["hlo"], "rt") as f:
     assert "HloModule jit_step" in f.read()
   with pytest.raises(ValueError, match="--config is for --cell"):
-    from experiments import profile_step
+    from experiments.tools import profile_step
     profile_step.main(["--tiny", "--config", "{}"])
 
 
@@ -171,7 +171,7 @@ def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
 
   def compare(name):
     subprocess.run(
-        [sys.executable, "-m", "experiments.compare_lowered", str(tmp_path / "base"),
+        [sys.executable, "-m", "experiments.tools.compare_lowered", str(tmp_path / "base"),
          "--seq", "256", "--heads", "2", "--head-dim", "64", "--causal", "--out-dir",
          str(tmp_path), "--name", name], cwd=REPO, env=env, check=True, timeout=300,
         capture_output=True)
@@ -189,7 +189,7 @@ def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
 
 def test_compare_lowered_sees_operands_rewired():
   # Two modules that differ only in which values an op reads are not the same kernel.
-  from experiments.compare_lowered import compare
+  from experiments.tools.compare_lowered import compare
   a = {"forward": ["%0 = arith.addf %1, %2 : f32\n%3 = arith.mulf %0, %2 : f32"]}
   b = {"forward": ["%0 = arith.addf %1, %2 : f32\n%3 = arith.mulf %1, %2 : f32"]}
   assert compare(a, a)[0]["same"]
@@ -197,7 +197,7 @@ def test_compare_lowered_sees_operands_rewired():
 
 
 def test_ab_kernels_selects_cells_by_name():
-  from experiments import ab_kernels
+  from experiments.tools import ab_kernels
   names = [c.name for c in ab_kernels.select_cases("fa2 16K d128 causal,LM")]
   assert names == ["fa2 16K d128 causal", "LM 4K d128 causal"]
   assert ab_kernels.select_cases(None) == ab_kernels.specs.FA2_QUICK
@@ -210,7 +210,7 @@ def test_ab_kernels_selects_cells_by_name():
 def test_profile_step_counts_only_the_innermost_events():
   # A host while loop's event spans its body's op events on the same line.
   from types import SimpleNamespace as E
-  from experiments.profile_step import leaves
+  from experiments.tools.profile_step import leaves
   loop, a, b, after = E(start_ns=0, duration_ns=100), E(start_ns=10, duration_ns=20), \
       E(start_ns=40, duration_ns=30), E(start_ns=100, duration_ns=5)
   assert leaves([b, loop, after, a]) == [a, b, after]
@@ -219,7 +219,7 @@ def test_profile_step_counts_only_the_innermost_events():
 def copy_packages(tree):
   """A copy of this tree's packages (as another commit's worktree would hold them)."""
   import shutil
-  from experiments import ab_kernels
+  from experiments.tools import ab_kernels
   for name in ab_kernels.PACKAGES:
     shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
 
@@ -227,7 +227,7 @@ def copy_packages(tree):
 def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
   # A copy of this tree's packages stands in for another commit's.
   copy_packages(tmp_path / "base")
-  run_script("ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
+  run_script("tools.ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
              "--warm-ms", "0", "--name", "ab_tiny")
   res = load(tmp_path, "ab_tiny")
   assert res["trees"]["base"] == str((tmp_path / "base").resolve())
@@ -241,7 +241,7 @@ import sys
 from pathlib import Path
 import jax.numpy as jnp
 import pytest
-from experiments import ab_kernels
+from experiments.tools import ab_kernels
 from experiments.bench import specs
 base = Path(sys.argv[1])
 case = specs.Case(64, 16, True, 1, 1, name="tiny")
@@ -270,9 +270,9 @@ def test_ab_kernels_traces_each_tree_with_its_own_helpers(tmp_path):
 
 
 def test_profile_kernels_runs_the_steps_it_names(capsys):
-  # The program ncu profiles (experiments/profile_h200.sh): on a CPU with a plain-JAX
+  # The program ncu profiles (experiments/tools/profile_h200.sh): on a CPU with a plain-JAX
   # implementation, forward+backward and forward only, inputs made on the host.
-  from experiments import profile_kernels
+  from experiments.tools import profile_kernels
   for extra in ([], ["--forward-only"]):
     profile_kernels.main(["--seq", "64", "--head-dim", "16", "--heads", "2", "--kv-heads", "1",
                           "--batch", "1", "--implementation", "xla_chunked", "--steps", "1",
@@ -358,7 +358,7 @@ def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):
   # two launches of one kernel and another kernel of the same name but another launch
   # shape (Mosaic GPU names its kernels alike); read plain and gzipped.
   import gzip
-  from experiments import ncu_summary
+  from experiments.tools import ncu_summary
   header = ['"Kernel Name"', '"Grid Size"', '"Block Size"', '"gpu__time_duration.sum"',
             '"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"',
             '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"']
@@ -383,7 +383,7 @@ def test_sass_summary_reads_a_mosaic_gpu_dump(tmp_path, capsys):
   # A `MOSAIC_GPU_DUMP_TO` directory in miniature: one kernel with ptxas's log (the
   # committed one of the fused dQ kernel), its PTX and its SASS; another with the log only.
   import shutil
-  from experiments import sass_summary
+  from experiments.tools import sass_summary
   logs = REPO / "experiments/results/ptxas_h200"
   shutil.copy(logs / "bwd_d128_fused2/_dkv_kernel_1.ptxas", tmp_path / "k.ptxas")
   (tmp_path / "k.ptx").write_text(
@@ -512,7 +512,7 @@ def test_launch_model_orders_are_the_grid_and_balance_as_stated():
   # groups of one is the grid's own order; the grid's level-by-level launch is
   # longest-first, so it ends within 1% of the mean work (4K d64 causal), and a single
   # round of programs then holds every (batch, head) pair it can.
-  from experiments import launch_model as lm
+  from experiments.tools import launch_model as lm
   blocks, heads, batch = 16, 32, 4
   grid = lm.grid_order(blocks, heads, batch)
   for order in (lm.head_group_order(blocks, heads, batch, 32),

@@ -332,7 +332,7 @@ def _kernel_module(lowered: str) -> str:
 
 def _kernel_modules(lowered: str) -> list[str]:
   """Every Mosaic GPU module inside a lowered program, printed as text."""
-  from experiments.lowered import mosaic_modules
+  from experiments.tools.lowered import mosaic_modules
   return mosaic_modules(lowered)
 
 

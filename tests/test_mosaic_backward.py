@@ -752,7 +752,7 @@ def test_lowers_with_item_edges_overlapped(H, causal):
   path: in each kernel the full waits for its stores (cp.async.bulk.wait_group, two in
   the dK/dV kernel, one in the dQ kernel) become one wait for the copy engine's reads
   (`.read`)."""
-  from experiments.lowered import mosaic_modules
+  from experiments.tools.lowered import mosaic_modules
   opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
   config = mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1)
   waits = lambda module: [line.split("{")[1].split("}")[0] for line in module.splitlines()
@@ -779,7 +779,7 @@ def test_lowers_with_p_under_dp(H, causal):
   in both kernels every tile's exponentials run between a wait for the first of two
   products in flight and the wait for the second (P under dP), where without them they
   follow a wait for every product. Each flag changes its own kernel alone."""
-  from experiments.lowered import mosaic_modules
+  from experiments.tools.lowered import mosaic_modules
   opts = MaskOptions(is_causal=causal, window=(40, 8), soft_cap=20.0)
   config = dataclasses.replace(
       mb.call_config((2, 200, 4, H), (2, 330, 2, H), 2, causal=causal, group_splits=1),

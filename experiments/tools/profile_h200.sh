@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Hardware-counter profiles of the kernels behind the open misses, one ncu run per case,
 # each non-fatal and inside its own timeout. Every step of a case runs the same kernels;
-# the summary (experiments/ncu_summary.py) keeps each kernel's last launch, a warm one.
+# the summary (experiments/tools/ncu_summary.py) keeps each kernel's last launch, a warm one.
 #
-#   bash experiments/profile_h200.sh OUT [CASE ...]     # on the H200; default: every case
-#   PROFILE_TOOL=sass bash experiments/profile_h200.sh OUT [CASE ...]
+#   bash experiments/tools/profile_h200.sh OUT [CASE ...]     # on the H200; default: every case
+#   PROFILE_TOOL=sass bash experiments/tools/profile_h200.sh OUT [CASE ...]
 #     instead of ncu: each case compiled once with Mosaic GPU's dump of PTX, ptxas log and
 #     SASS (through the toolkit's ptxas and cuobjdump where nvdisasm is not on the path),
-#     summarised by experiments/sass_summary.py (register reallocation, spills).
+#     summarised by experiments/tools/sass_summary.py (register reallocation, spills).
 set -uo pipefail
 out=${1:?usage: profile_h200.sh OUT [CASE ...]}; shift
 mkdir -p "$out"
@@ -59,7 +59,7 @@ if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
     t=$SECONDS
     mkdir -p "$out/sass_$name"
     MOSAIC_GPU_DUMP_TO="$out/sass_$name" timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" \
-      $py -m experiments.profile_kernels --steps 1 ${CASES[$name]} >"$out/sass_$name.log" 2>&1
+      $py -m experiments.tools.profile_kernels --steps 1 ${CASES[$name]} >"$out/sass_$name.log" 2>&1
     echo "== $name: rc=$? in $(( SECONDS - t )) s"
     # Mosaic GPU writes the SASS only where nvdisasm is on PATH; otherwise the dumped PTX
     # goes through the toolkit's ptxas (its version in ptxas_version.txt; the register
@@ -69,7 +69,7 @@ if [ "${PROFILE_TOOL:-ncu}" = sass ]; then
       "$ptxas" -arch=sm_90a -v "$ptx" -o "${ptx%.ptx}.cubin" 2>"${ptx%.ptx}.toolkit_ptxas" &&
         "$cuobjdump" -sass "${ptx%.ptx}.cubin" >"${ptx%.ptx}.sass"
     done
-    $py -m experiments.sass_summary "$out/sass_$name" | tee "$out/sass_${name}_summary.txt"
+    $py -m experiments.tools.sass_summary "$out/sass_$name" | tee "$out/sass_${name}_summary.txt"
     # keep ptxas's logs (a few hundred bytes each) and the SASS and PTX (compressed, after
     # the summary above read them); the MLIR dumps are large
     find "$out/sass_$name" -type f ! -name '*ptxas' ! -name '*.sass' ! -name '*.ptx' -delete
@@ -80,13 +80,13 @@ fi
 for name in "${names[@]}"; do
   t=$SECONDS
   timeout --kill-after=10 "${PROFILE_TIMEOUT_S:-150}" ncu --clock-control none --csv --page raw \
-    "${sections[@]}" -o "$out/ncu_$name" -f $py -m experiments.profile_kernels --steps 2 \
+    "${sections[@]}" -o "$out/ncu_$name" -f $py -m experiments.tools.profile_kernels --steps 2 \
     ${CASES[$name]} >"$out/ncu_$name.log" 2>&1
   echo "== $name: rc=$? in $(( SECONDS - t )) s"
   if [ -f "$out/ncu_$name.ncu-rep" ]; then
     ncu --import "$out/ncu_$name.ncu-rep" --csv --page raw >"$out/ncu_${name}_raw.csv" 2>/dev/null
     ncu --import "$out/ncu_$name.ncu-rep" --csv --page details >"$out/ncu_${name}_details.csv" 2>/dev/null
-    $py -m experiments.ncu_summary "$out/ncu_${name}_raw.csv" | tee "$out/ncu_${name}_summary.txt"
+    $py -m experiments.tools.ncu_summary "$out/ncu_${name}_raw.csv" | tee "$out/ncu_${name}_summary.txt"
   else
     tail -5 "$out/ncu_$name.log"
   fi

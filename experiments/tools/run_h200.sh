@@ -2,8 +2,8 @@
 # The one device run on the H200: correctness of the compiled kernels, then the
 # benchmark, inside BUDGET_S (default 540; a device call may run 600) seconds of wall time.
 #
-#   bash experiments/run_h200.sh "$OUT"                  # repo root, tokamax wheels in .whl/
-#   BENCH_SMOKE=1 bash experiments/run_h200.sh /tmp/out  # the same steps, tiny, on a CPU
+#   bash experiments/tools/run_h200.sh "$OUT"                  # repo root, tokamax wheels in .whl/
+#   BENCH_SMOKE=1 bash experiments/tools/run_h200.sh /tmp/out  # the same steps, tiny, on a CPU
 #
 # Steps, each with its own timeout taken from what is left, each non-fatal:
 #   1. python -m experiments.pallas_check and experiments.mosaic_check

@@ -1,7 +1,7 @@
 """Where one decoder-LM training step's time goes, per HLO op, from JAX's own profiler.
 
 The step of `seq_scaling --parts lm` (same presets and model), or with `--cell` one
-attention forward + backward of a benchmark cell (`experiments.ab_kernels.CELLS`;
+attention forward + backward of a benchmark cell (`experiments.tools.ab_kernels.CELLS`;
 `--impl` cudnn, jflash (implementation=None) or a jflash implementation's name, with
 `--config` MosaicGPUConfig fields), compiled once, timed as seq_scaling times it
 (`--warmup` calls, `--steps` rounds), then `--steps` steps under
@@ -13,8 +13,8 @@ streams add up, so the total can exceed the step's wall time; an event that span
 others of its line (a host while loop over its body's ops) is left out for them. With
 `--hlo` the optimized HLO is written beside (gzipped) to read what an op is.
 
-  python -m experiments.profile_step --preset h200 --impl jflash --seq 4096 --hlo
-  python -m experiments.profile_step --cell "fa2 16K d128" --impl cudnn
+  python -m experiments.tools.profile_step --preset h200 --impl jflash --seq 4096 --hlo
+  python -m experiments.tools.profile_step --cell "fa2 16K d128" --impl cudnn
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def cell_fwd_bwd_step(args):
   """(one_step, compiled, tokens per step, record) of one attention forward + backward
   (a vjp with a fixed output cotangent) of the benchmark cell `args.cell`."""
   import jflash
-  from experiments.ab_kernels import cell_inputs, select_cases
+  from experiments.tools.ab_kernels import cell_inputs, select_cases
   named = [c for c in select_cases(None if args.tiny else args.cell, tiny=args.tiny)
            if c.name == args.cell]
   if not named:

@@ -3,7 +3,7 @@
   ncu --clock-control none --launch-skip-before-match 0 --csv --page details \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section LaunchStats --section Occupancy \
-      python -m experiments.profile_kernels --seq 4096 --head-dim 64 --implementation mosaic_gpu
+      python -m experiments.tools.profile_kernels --seq 4096 --head-dim 64 --implementation mosaic_gpu
 
 Shapes follow the FA-2 grid (heads = hidden / head_dim, batch = tokens / seq) unless
 --heads / --batch are given. --forward-only profiles the forward alone; otherwise one

@@ -8,7 +8,7 @@ custom calls carry them as MLIR bytecode) is printed and compared as text: a ker
 printed the same compiles to the same code; for one that differs, the lines that differ
 (SSA names replaced, to line them up) are counted and the first shown.
 
-  python -m experiments.compare_lowered /tmp/base --seq 16384 --head-dim 128 --heads 16
+  python -m experiments.tools.compare_lowered /tmp/base --seq 16384 --head-dim 128 --heads 16
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from experiments import common
-from experiments.ab_kernels import TREE, load_modules, package
-from experiments.lowered import mosaic_modules, normalized
+from experiments.tools.ab_kernels import TREE, load_modules, package
+from experiments.tools.lowered import mosaic_modules, normalized
 
 KERNELS = ("pallas_kernels.masking", "pallas_kernels.mosaic_gpu.forward",
            "pallas_kernels.mosaic_gpu.backward")

@@ -1,7 +1,7 @@
 """What ptxas made of each Mosaic GPU kernel, out of a `MOSAIC_GPU_DUMP_TO` directory.
 
-  MOSAIC_GPU_DUMP_TO=DIR python -m experiments.profile_kernels ...   # on the GPU
-  python -m experiments.sass_summary DIR
+  MOSAIC_GPU_DUMP_TO=DIR python -m experiments.tools.profile_kernels ...   # on the GPU
+  python -m experiments.tools.sass_summary DIR
 
 Per dumped module: ptxas's log (registers at entry, spill bytes, and its warnings: C7512
 "wgmma.mma_async instructions are serialized due to insufficient register resources"

@@ -12,7 +12,7 @@ model gives, for an order of the programs:
 It is a model, not a measurement (mosaic_notes.md, "Launch order of the causal grids",
 has the H200's timings beside it).
 
-  python -m experiments.launch_model            # the notes' cells
+  python -m experiments.tools.launch_model            # the notes' cells
 """
 from __future__ import annotations
 

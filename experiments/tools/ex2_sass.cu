@@ -3,7 +3,7 @@
 // (ex2.approx.f16x2, ex2.approx.ftz.bf16x2), which would halve the multi-function
 // unit's work per exponential only if each compiled to one MUFU instruction. Built and
 // disassembled on any machine (no GPU needed):
-//   nvcc -arch=sm_90a -cubin -o ex2.cubin experiments/ex2_sass.cu
+//   nvcc -arch=sm_90a -cubin -o ex2.cubin experiments/tools/ex2_sass.cu
 //   cuobjdump -sass ex2.cubin     (cuobjdump and nvdisasm: PyPI's nvidia-cuda-cuobjdump
 //                                  and nvidia-cuda-nvdisasm wheels where the toolkit
 //                                  has none)

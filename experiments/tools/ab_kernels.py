@@ -8,8 +8,8 @@ on the same cells in alternating rounds (`common.time_alternating`), so both see
 machine at the same time.
 TF/s (FLOPs as in the benchmark), the median of the rounds.
 
-  python -m experiments.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
-  python -m experiments.ab_kernels /tmp/base --implementation mosaic_gpu \
+  python -m experiments.tools.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
+  python -m experiments.tools.ab_kernels /tmp/base --implementation mosaic_gpu \
       --cells "fa2 16K d128 causal,GQA" --modes fwd+bwd
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from experiments import common
 from experiments.bench import runner, specs
 
-TREE = Path(__file__).resolve().parent.parent
+TREE = Path(__file__).resolve().parents[2]
 PACKAGES = ("jflash", "pallas_kernels")   # what a tree contributes
 
 # The benchmark's cells, and the decoder LM's attention (seq_scaling --parts lm).

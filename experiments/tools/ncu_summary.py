@@ -1,6 +1,6 @@
 """The figures a kernel's limit is read from, out of an `ncu --page raw --csv` export.
 
-  python -m experiments.ncu_summary ncu_fwd_d64_raw.csv[.gz]
+  python -m experiments.tools.ncu_summary ncu_fwd_d64_raw.csv[.gz]
 
 For each kernel (name and launch shape, registers and shared memory: Mosaic GPU names
 every kernel alike), its last
