@@ -10,11 +10,6 @@ bit-equality that no reordered sum can promise.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` importable
-
 import dataclasses
 import functools
 import math

@@ -18,6 +18,8 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from pathlib import Path
 
@@ -57,16 +59,30 @@ def package(modules: dict):
     sys.modules.update(saved)
 
 
+class _TreeFinder(importlib.abc.MetaPathFinder):
+  """Finds the top-level `PACKAGES` under `tree` (their submodules follow the package's
+  own `__path__`); every other import resolves as usual."""
+
+  def __init__(self, tree: Path):
+    self.tree = str(tree)
+
+  def find_spec(self, name, path, target=None):
+    if path is None and name in PACKAGES:
+      return importlib.machinery.PathFinder.find_spec(name, [self.tree])
+    return None
+
+
 def load_modules(tree: Path, names) -> dict:
   """The tree's packages with the modules `names` imported, apart from the process's
   own (`package`)."""
   modules = {}
+  finder = _TreeFinder(tree)
   with package(modules):
-    sys.path.insert(0, str(tree))
+    sys.meta_path.insert(0, finder)
     try:
       imported = [importlib.import_module(name) for name in names]
     finally:
-      sys.path.pop(0)
+      sys.meta_path.remove(finder)
   for module in imported:
     if not Path(module.__file__).resolve().is_relative_to(tree):
       raise ValueError(f"{tree} has no {module.__name__} (imported {module.__file__})")
