@@ -43,8 +43,15 @@ def _hip():
                         supports=hip_impl.supports, config_type=config.HipConfig)
 
 
+def _cudnn():
+  from jflash import cudnn_impl
+  return Implementation("cudnn", direct=cudnn_impl.direct, supports=cudnn_impl.supports,
+                        preferred_on=cudnn_impl.PREFERRED_ON, returns_lse=False)
+
+
 register_implementation("xla", _xla)
 register_implementation("xla_chunked", _xla_chunked)
 register_implementation("pallas", _pallas)
 register_implementation("mosaic_gpu", _mosaic_gpu)
 register_implementation("hip", _hip)
+register_implementation("cudnn", _cudnn)

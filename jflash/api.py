@@ -30,7 +30,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jflash import platforms
 from jflash.config import BackendConfig
-from jflash.masks import Masks, seed_from_key
+from jflash.masks import Masks, check_key, seed_from_key
 
 Array = jax.Array
 
@@ -67,6 +67,8 @@ class Implementation:
   `config_type` is the `jflash.config` class this implementation reads from
   `cfg.backend_config(...)`, or None when it takes no config. `preferred_on` names the
   device kinds (`jflash.platforms.device_kinds`) where `implementation=None` tries it.
+  `returns_lse` is False for one whose lse is not returned (or not differentiated):
+  it cannot serve `return_residuals=True`.
   """
 
   name: str
@@ -76,6 +78,7 @@ class Implementation:
   supports: Callable[..., None] = lambda q, k, v, cfg, masks: None
   config_type: type[BackendConfig] | None = None
   preferred_on: tuple[str, ...] = ()
+  returns_lse: bool = True
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -92,10 +95,7 @@ def available_implementations() -> tuple[str, ...]:
 
 @functools.cache
 def get_implementation(name: str) -> Implementation:
-  if name not in _REGISTRY:
-    raise ValueError(
-        f"implementation={name!r} is unknown; choose one of {sorted(_REGISTRY)}"
-        " or None")
+  check_implementation(name)
   return _REGISTRY[name]()
 
 
@@ -227,17 +227,32 @@ def _soft_cap(logits_soft_cap) -> float | None:
   return float(logits_soft_cap)
 
 
+def check_implementation(implementation) -> None:
+  """ValueError unless `implementation=` is None, a registered name or a non-empty
+  sequence of them: what jflash.prepare, jflash.nn's modules and configs check where
+  the name is given."""
+  if implementation is None:
+    return
+  if isinstance(implementation, str):
+    names = (implementation,)
+  elif isinstance(implementation, Sequence) and implementation and all(
+      isinstance(n, str) for n in implementation):
+    names = tuple(implementation)
+  else:
+    raise ValueError(
+        f"implementation must be None, a name or a sequence of names, got {implementation!r}")
+  for name in names:
+    if name not in _REGISTRY:
+      raise ValueError(f"implementation={name!r} is unknown; choose one of "
+                       f"{sorted(_REGISTRY)} or None")
+
+
 def _names(implementation) -> tuple[str, ...]:
   """The candidate names of `implementation=` (None, a name or a sequence of names)."""
+  check_implementation(implementation)
   if implementation is None:
     return default_implementation()
-  if isinstance(implementation, str):
-    return (implementation,)
-  if isinstance(implementation, Sequence) and implementation and all(
-      isinstance(n, str) for n in implementation):
-    return tuple(implementation)
-  raise ValueError(
-      f"implementation must be None, a name or a sequence of names, got {implementation!r}")
+  return (implementation,) if isinstance(implementation, str) else tuple(implementation)
 
 
 def _backend_configs(config, implementation) -> tuple[BackendConfig, ...]:
@@ -313,6 +328,7 @@ def prepare(
   runs is decided by `supports` at the call.
   """
   _check_inputs(query, key, value)
+  check_implementation(implementation)
   B, T, N, H = query.shape
   S = key.shape[1]
   if not isinstance(is_causal, (bool, np.bool_)):
@@ -332,6 +348,8 @@ def prepare(
       ("key_value_seq_lengths", key_value_seq_lengths, S)) if x is not None}
   q_seg, kv_seg = segment_id_arrays(segment_ids, B, T, S)
   seed = None
+  if dropout_rng is not None:
+    check_key(dropout_rng)
   if dropout_rate > 0:
     if dropout_rng is None:
       raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng key")
@@ -511,10 +529,12 @@ def attention(
       in the backward pass, never stored.
     dropout_rng: one PRNG key (`jax.random.key(seed)`, or the uint32[2] of
       `jax.random.PRNGKey(seed)`).
-    implementation: "mosaic_gpu", "pallas", "xla_chunked", "xla", "hip", a sequence
+    implementation: "mosaic_gpu", "pallas", "xla_chunked", "xla", "hip", "cudnn"
+      (`jax.nn.dot_product_attention(implementation="cudnn")`, CUDA GPUs), a sequence
       of these (the next is tried only when one raises `NotImplementedError`), or None
-      for the best on the default backend (Hopper GPU: mosaic_gpu, then pallas; other
-      GPUs: pallas; CPU: xla_chunked).
+      for what `jflash.default_implementation()` lists for the default device (Hopper:
+      mosaic_gpu, pallas, xla_chunked; other GPUs: pallas, xla_chunked; else
+      xla_chunked). An unknown name is a ValueError.
     config: a backend config (`jflash.PallasConfig`, `jflash.MosaicGPUConfig`,
       `jflash.ChunkedConfig`, `jflash.HipConfig`) or a sequence of them, one per
       backend; each tunes only its own implementation ("mosaic_gpu" runs the Pallas
@@ -539,8 +559,11 @@ def attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       implementation=implementation, config=config)
-  impl = resolve_implementation(
-      implementation, lambda impl: impl.supports(query, key, value, cfg, masks))
+  def check(impl):
+    if return_residuals and not impl.returns_lse:
+      raise NotImplementedError("it returns no differentiable lse (return_residuals=True)")
+    impl.supports(query, key, value, cfg, masks)
+  impl = resolve_implementation(implementation, check)
   query, key, value = zero_padding(query, key, value, masks)
   if impl.direct is not None:
     out, lse = impl.direct(query, key, value, cfg, masks)

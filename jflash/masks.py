@@ -91,17 +91,23 @@ def dense_keep_numpy(B, N, T, S, masks: Masks):
   return keep
 
 
-def seed_from_key(rng) -> Array:
-  """A uint32 seed from a PRNG key: a typed key or a raw uint32[2] one (the output of
-  `jax.random.PRNGKey`). Anything else is a ValueError naming `dropout_rng`."""
+def check_key(rng) -> None:
+  """ValueError naming `dropout_rng` unless it is one PRNG key: a typed key or a raw
+  uint32[2] one (the output of `jax.random.PRNGKey`)."""
   dtype = getattr(rng, "dtype", None)
   typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
   raw = dtype == jnp.uint32 and tuple(getattr(rng, "shape", ())) == (2,)
-  if not (typed and rng.shape == ()) and not raw:
-    raise ValueError(
-        "dropout_rng must be one PRNG key (jax.random.key(seed) or the uint32[2] of "
-        f"jax.random.PRNGKey(seed)), got dtype={dtype}, "
-        f"shape={tuple(getattr(rng, 'shape', ())) if dtype is not None else type(rng).__name__}")
+  if (typed and rng.shape == ()) or raw:
+    return
+  got = (f"dtype={dtype}, shape={tuple(rng.shape)}" if dtype is not None
+         else f"{rng!r} of type {type(rng).__name__}")
+  raise ValueError("dropout_rng must be one PRNG key (jax.random.key(seed) or the "
+                   f"uint32[2] of jax.random.PRNGKey(seed)), got {got}")
+
+
+def seed_from_key(rng) -> Array:
+  """A uint32 seed from a PRNG key (`check_key`'s rule)."""
+  check_key(rng)
   return jax.random.bits(rng, (), jnp.uint32)
 
 

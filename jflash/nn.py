@@ -29,11 +29,6 @@ from jflash import api
 
 Array = jax.Array
 
-# Names of implementations that are not jflash's but are useful baselines in the same
-# model: "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only).
-JAX_NN_IMPLEMENTATIONS = ("cudnn",)
-
-
 def _check_option_names(names, what: str = "jflash.attention"):
   unknown = sorted(set(names) - api.OPTIONS)
   if unknown:
@@ -83,7 +78,8 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
     **attention_options: keywords for `jflash.attention` applied to every call
       (`implementation=`, `is_causal=`, `config=`, `scale=`, and the masking options).
       A name it does not accept raises `NotImplementedError` here, not at the first
-      call; values are checked by `jflash.attention` at the call.
+      call, and so does an unknown `implementation=` (ValueError); other values are
+      checked by `jflash.attention` at the call.
 
   Returns:
     `attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -107,6 +103,7 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
     if name == "return_residuals":
       raise ValueError("return_residuals: Flax expects the attention output alone")
   _check_option_names(attention_options)
+  api.check_implementation(attention_options.get("implementation"))
   static = dict(attention_options)
   base_causal = bool(static.pop("is_causal", False))
 
@@ -198,7 +195,7 @@ def apply_rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
 
 def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
                    segment_ids=None, context_parallel_axis=None, **options):
-  """[B, T, N, H] attention through jflash, or through jax.nn for the "cudnn" baseline.
+  """[B, T, N, H] attention through jflash ("cudnn" is jax.nn's cuDNN kernel there).
 
   Options other than is_causal/scale/implementation (e.g. `local_window_size`,
   `config`) and `segment_ids` are forwarded to `jflash.attention`; a name it does not
@@ -211,23 +208,15 @@ def core_attention(q, k, v, *, implementation=None, is_causal=False, scale=None,
   if context_parallel_axis is not None:
     from jflash import parallel
     unsupported = sorted(set(options) - set(parallel.RING_OPTIONS))
-    if implementation in JAX_NN_IMPLEMENTATIONS or unsupported:
+    if unsupported:
       raise NotImplementedError(
           f"context_parallel_axis: ring attention runs jflash implementations with "
           f"the options {sorted(parallel.RING_OPTIONS)} only, got {implementation=} "
           f"and options {unsupported}")
     return parallel.ring_attention(q, k, v, axis_name=context_parallel_axis,
-                                   is_causal=is_causal, scale=scale,
+                                   layout="zigzag", is_causal=is_causal, scale=scale,
                                    implementation=implementation,
                                    segment_ids=segment_ids, **options)
-  if implementation in JAX_NN_IMPLEMENTATIONS:
-    extra = dict(options, **({} if segment_ids is None else {"segment_ids": segment_ids}))
-    if extra:
-      raise NotImplementedError(
-          f"implementation={implementation!r} is the jax.nn baseline here and takes no "
-          f"options beyond is_causal/scale, got {sorted(extra)}")
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal,
-                                        implementation=implementation)
   _check_option_names(options)
   if segment_ids is not None:
     options = dict(options, segment_ids=segment_ids)
@@ -248,8 +237,9 @@ class LMConfig:
     seq_len: the training context (data and benchmarks use it; RoPE needs no maximum).
     mlp_hidden: width of the MLP; None means 4 * hidden.
     attention_implementation: passed to `jflash.attention` ("xla" is standard
-      attention, "xla_chunked"/"pallas" flash, None the platform default), or "cudnn"
-      for jax.nn's cuDNN kernel.
+      attention, "xla_chunked"/"pallas"/"mosaic_gpu" flash, "cudnn" jax.nn's cuDNN
+      kernel, a sequence of these, or None for the platform default); an unknown name
+      is a ValueError here.
     local_window_size: sliding-window attention, forwarded to jflash when supported.
     remat: recompute each block in the backward pass (jax.checkpoint via nnx.remat).
     scan_layers: run the blocks as one `nnx.scan` over stacked weights: one block is
@@ -279,6 +269,7 @@ class LMConfig:
   context_parallel_axis: str | None = None
 
   def __post_init__(self):
+    api.check_implementation(self.attention_implementation)
     kv = self.kv_heads
     if self.num_heads % kv:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={kv}")
@@ -331,13 +322,9 @@ class Attention(nnx.Module):
       options["local_window_size"] = tuple(local_window_size)
     if config is not None:
       options["config"] = config
-    if implementation not in JAX_NN_IMPLEMENTATIONS:
-      head = lambda n: jax.ShapeDtypeStruct((1, 1, n, head_dim), jnp.float32)
-      api.prepare(head(num_heads), head(num_kv_heads), head(num_kv_heads),
-                  is_causal=is_causal, implementation=implementation, **options)
-    elif options:
-      raise NotImplementedError(
-          f"implementation={implementation!r} takes no options, got {sorted(options)}")
+    head = lambda n: jax.ShapeDtypeStruct((1, 1, n, head_dim), jnp.float32)
+    api.prepare(head(num_heads), head(num_kv_heads), head(num_kv_heads),
+                is_causal=is_causal, implementation=implementation, **options)
     self.options = tuple(sorted(options.items()))  # hashable: part of the graphdef
     lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = nnx.LinearGeneral(hidden, (num_heads, head_dim), **lin)
@@ -351,7 +338,8 @@ class Attention(nnx.Module):
     if self.use_rope:
       if positions is None and self.context_parallel_axis is not None:
         from jflash import parallel
-        positions = parallel.shard_positions(x.shape[1], self.context_parallel_axis)
+        positions = parallel.shard_positions(x.shape[1], self.context_parallel_axis,
+                                            layout="zigzag")
       elif positions is None:
         positions = jnp.arange(x.shape[1])
       q = apply_rope(q, positions, self.rope_base)

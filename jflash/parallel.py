@@ -145,7 +145,7 @@ def zigzag_unpermute(x: Array, num_shards: int, axis: int = 1) -> Array:
   return _permute_chunks(x, np.argsort(_zigzag_order(num_shards)), axis)
 
 
-def shard_positions(local_len: int, axis_name: str, layout: str = "zigzag") -> Array:
+def shard_positions(local_len: int, axis_name: str, layout: str) -> Array:
   """Global token positions `[local_len]` (int32) of this device's shard; inside
   `shard_map`. What rotary embeddings need in place of `arange(local_len)`."""
   _check_layout(layout)
@@ -160,7 +160,7 @@ def shard_positions(local_len: int, axis_name: str, layout: str = "zigzag") -> A
 
 
 def shard_lengths(lengths: Array, shard, local_len: int, num_shards: int,
-                  layout: str = "zigzag") -> Array:
+                  layout: str) -> Array:
   """How many of shard `shard`'s `local_len` tokens lie below the global `lengths`
   ([B] int), [B] int32: works on Python ints and on traced ones (`lax.axis_index`).
 
@@ -220,8 +220,7 @@ def _step_cases(is_causal: bool, layout: str) -> tuple[int, ...]:
   return (LOWER, UPPER) if layout == "zigzag" else (FULL, SKIP)
 
 
-def chunk_pairs_per_device(num_shards: int, *, is_causal: bool,
-                           layout: str = "zigzag") -> list[int]:
+def chunk_pairs_per_device(num_shards: int, *, is_causal: bool, layout: str) -> list[int]:
   """Number of (query chunk, key chunk) pairs of c = T/(2P) tokens each device computes.
 
   Zigzag causal: 3 + 2(P-1) on every device; contiguous causal: 4i + 3 on device i.
@@ -466,10 +465,10 @@ def ring_attention(
     value: Array,
     *,
     axis_name: str,
+    layout: str,
     is_causal: bool = False,
     scale: float | None = None,
     implementation: str | Sequence[str] | None = None,
-    layout: str = "zigzag",
     segment_ids: Array | tuple[Array, Array] | None = None,
     query_seq_lengths: Array | None = None,
     key_value_seq_lengths: Array | None = None,
@@ -489,7 +488,8 @@ def ring_attention(
     scale: logits scale; None means `1/sqrt(H)`.
     implementation: the local block implementation, as in `jflash.attention`; it must
       be a flash-type one (forward/backward with an lse), so not "xla".
-    layout: how the global sequence was laid out before sharding. "zigzag": it was
+    layout: how the global sequence was laid out before sharding, always stated (the
+      wrong one gives wrong values, which nothing could detect). "zigzag": it was
       permuted with `zigzag_permute(x, P)` (device i holds chunks i and 2P-1-i), which
       balances causal work; "contiguous": natural order. For non-causal attention
       without lengths the two are the same computation; lengths are read in the
@@ -565,7 +565,8 @@ def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
   (self-attention), and with `with_lengths` two more, `query_seq_lengths` and
   `key_value_seq_lengths` `[B]` (sharded over `batch_axis` only). The sequence order
   of the arrays is the one `ring_attention` expects for `layout` (apply
-  `zigzag_permute` first for "zigzag"). `kwargs` go to `ring_attention`.
+  `zigzag_permute` first for "zigzag"). `kwargs` go to `ring_attention` (`layout` among
+  them: it has no default).
 
   `check_vma` (shard_map's varying-manual-axes type check) is off by default: the
   outputs of a `pallas_call` (the "pallas" and "mosaic_gpu" kernels, the GPU defaults)

@@ -55,6 +55,9 @@ def test_bad_input_raises_value_error(bad, match):
     ({"dropout_rate": 0.1, "dropout_rng": jnp.float32(3)}, r"dropout_rng must be one PRNG key"),
     ({"dropout_rate": 0.1, "dropout_rng": jnp.zeros((3,), jnp.uint32)}, r"dropout_rng"),
     ({"dropout_rate": 0.1, "dropout_rng": jax.random.split(jax.random.key(0))}, r"dropout_rng"),
+    ({"dropout_rate": 0.1, "dropout_rng": 0},
+     r"dropout_rng must be one PRNG key .*got 0 of type int"),
+    ({"dropout_rng": 0}, r"dropout_rng must be one PRNG key .*got 0 of type int"),
 ])
 def test_bad_options_raise_value_error(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -103,6 +106,8 @@ def test_config_tunes_only_its_own_implementation():
 
 def test_prepare_is_the_validation_of_attention():
   q, k, v = qkv()
+  with pytest.raises(ValueError, match="implementation='flash' is unknown"):
+    jflash.prepare(q, k, v, implementation="flash")
   cfg, masks = jflash.prepare(q, k, v, is_causal=True, local_window_size=3,
                               logits_soft_cap=5, scale=0.5)
   assert cfg == jflash.AttentionConfig(scale=0.5)
@@ -249,3 +254,30 @@ def test_row_the_masks_empty_is_zeros_where_jax_nn_gives_the_mean_of_v():
     ours = jflash.attention(q, k, v, bias, mask, implementation=impl)
     np.testing.assert_array_equal(ours[0, 2], 0)
     np.testing.assert_allclose(np.delete(ours, 2, 1), np.delete(theirs, 2, 1), atol=1e-6)
+
+
+def test_cudnn_is_a_registered_implementation_in_the_chain():
+  # jax.nn's cuDNN kernel: refused off a CUDA GPU with the reason, so a chain moves on.
+  q, k, v = qkv(dtype=jnp.bfloat16)
+  assert "cudnn" in jflash.available_implementations()
+  with pytest.raises(NotImplementedError, match=r"mosaic_gpu: .*; cudnn: cudnn needs a CUDA GPU"):
+    jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn"))
+  got = jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn", "xla_chunked"))
+  want = jflash.attention(q, k, v, implementation="xla_chunked")
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_cudnn_refuses_what_it_lacks_on_a_gpu(monkeypatch):
+  # On a (mocked) CUDA device: the options jax.nn does not pass to cuDNN and a
+  # differentiable lse are NotImplementedError before anything is traced.
+  from jflash import cudnn_impl
+  monkeypatch.setattr(cudnn_impl, "device_capability", lambda device=None: ("gpu", "9.0"))
+  q, k, v = qkv(dtype=jnp.bfloat16)
+  for kw, reason in (({"logits_soft_cap": 5.0}, "no soft_cap"),
+                     ({"segment_ids": jnp.zeros((1, 8), jnp.int32)}, "no q_segment_ids"),
+                     ({"local_window_size": (2, 2)}, "no right window"),
+                     ({"return_residuals": True}, "no differentiable lse")):
+    with pytest.raises(NotImplementedError, match=reason):
+      jflash.attention(q, k, v, implementation="cudnn", **kw)
+  with pytest.raises(NotImplementedError, match="float16 or bfloat16, got float32"):
+    jflash.attention(*qkv(), implementation="cudnn")

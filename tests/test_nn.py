@@ -293,8 +293,22 @@ def test_window_and_segment_options():
     want = attn.out(jflash.attention(q, k, v, is_causal=True, segment_ids=seg,
                                      implementation="xla"))
     np.testing.assert_allclose(attn(x, segment_ids=seg), want, atol=1e-5, rtol=1e-5)
-  with pytest.raises(NotImplementedError, match="cudnn"):
-    jnn.Attention(32, 4, implementation="cudnn", local_window_size=(8, 0), rngs=nnx.Rngs(0))
+  # "cudnn" is a registered implementation: built anywhere, refused off a CUDA GPU.
+  cudnn = jnn.Attention(32, 4, implementation="cudnn", local_window_size=(8, 0),
+                        rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="cudnn needs a CUDA GPU"):
+    cudnn(x)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: jnn.LMConfig(attention_implementation="flash"),
+    lambda: jnn.LMConfig(attention_implementation=("xla_chunked", "flsh")),
+    lambda: jnn.Attention(32, 4, implementation="flash", rngs=nnx.Rngs(0)),
+    lambda: jnn.make_attention_fn(implementation="flsh"),
+])
+def test_implementation_names_are_checked_where_given(build):
+  with pytest.raises(ValueError, match=r"implementation='fl(a)?sh' is unknown"):
+    build()
 
 
 def test_attention_module_validates_options_at_construction():

@@ -151,7 +151,7 @@ def _unsupported_message(**kw):
   x = jnp.zeros((1, 8, 2, 8))
   segments = not kw
   ring = parallel.sharded_ring_attention(parallel.make_mesh(2), is_causal=True,
-                                         with_segment_ids=segments, check_vma=False,
+                                         layout="zigzag", with_segment_ids=segments, check_vma=False,
                                          implementation="dense_test", **kw)
   try:
     ring(x, x, x, *([jnp.zeros((1, 8), jnp.int32)] if segments else []))
@@ -498,7 +498,8 @@ def test_one_device_ring_is_attention(soft_cap, lengths):
     len_kw = dict(query_seq_lengths=jnp.asarray([9], jnp.int32),
                   key_value_seq_lengths=jnp.asarray([5], jnp.int32))
   ring = parallel.sharded_ring_attention(parallel.make_mesh(1), is_causal=True,
-                                         check_vma=False, implementation="xla_chunked",
+                                         layout="zigzag", check_vma=False,
+                                         implementation="xla_chunked",
                                          logits_soft_cap=soft_cap, **len_kw)
   want = jflash.attention(q, kv, kv, is_causal=True, implementation="xla_chunked",
                           logits_soft_cap=soft_cap, **len_kw)
@@ -511,15 +512,20 @@ def test_errors():
 
   mesh = parallel.make_mesh(1)
   x = jnp.zeros((1, 6, 2, 8))
-  run = lambda q, k, **kw: parallel.sharded_ring_attention(mesh, check_vma=False, **kw)(q, k, k)
+  run = lambda q, k, **kw: parallel.sharded_ring_attention(
+      mesh, check_vma=False, **{"layout": "zigzag", **kw})(q, k, k)
   with pytest.raises(ValueError, match="layout='ring'"):
     run(x, x, layout="ring")
+  # The layout is stated, never assumed: contiguous shards read as zigzag ones give
+  # wrong values that nothing could detect.
+  with pytest.raises(TypeError, match="layout"):
+    parallel.sharded_ring_attention(mesh, check_vma=False)(x, x, x)
   with pytest.raises(ValueError, match="T/P=5"):
     run(x[:, :5], x[:, :5], is_causal=True)
   with pytest.raises(ValueError, match="S/P=4"):
     run(x, x[:, :4], is_causal=True)
   with pytest.raises(ValueError, match="axis_name='sp' is not a bound mesh axis"):
-    parallel.ring_attention(x, x, x, axis_name="sp")
+    parallel.ring_attention(x, x, x, axis_name="sp", layout="zigzag")
   with pytest.raises(ValueError, match="multiple of 2"):
     parallel.zigzag_permute(x, 2)
   with pytest.raises(ValueError, match="num_devices=2"):
