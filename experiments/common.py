@@ -179,9 +179,10 @@ def time_alternating(programs: dict, *, rounds: int = 7, round_s: float = 0.05,
 
   An H200 running attention back to back is held at its power limit, its SM clock set
   by the energy drawn: 1440-1980 MHz (mean 1852) in the samples drawing over 400 W
-  beside a backward comparison (`gpu_clocks_backward_variants_h200.csv`), 1980 idle,
-  while the benchmark tables' samples, which fell mostly between their short rounds,
-  dipped to 1620-1725 MHz (`gpu_clocks_bench_a_*_h200.csv`). After an idle stretch (a
+  beside a backward comparison (`gpu_clocks_backward_variants_h200.csv`, in git history
+  at 939d587), 1980 idle, while the benchmark tables' samples, which fell mostly between
+  their short rounds, dipped to 1620-1725 MHz (the burst-timed runs'
+  `gpu_clocks_bench_a_*_h200.csv`, there too). After an idle stretch (a
   compile) a program starts at the boost clock and slows as the draw reaches the cap.
   Timed one after another in short bursts, two programs see different clocks: the same
   kernels moved 8% between two runs of the table while cuDNN beside them moved 0-3%.

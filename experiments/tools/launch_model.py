@@ -9,7 +9,7 @@ model gives, for an order of the programs:
 - how long after the mean work per multiprocessor the launch ends (its imbalance);
 - how many (batch, head) pairs each round of `sms` consecutive programs reads (their
   K and V stream through L2 together: fewer pairs, more reuse).
-It is a model, not a measurement (mosaic_notes.md, "Launch order of the causal grids",
+It is a model, not a measurement (docs/notes/mosaic_notes.md, "Launch order of the causal grids",
 has the H200's timings beside it).
 
   python -m experiments.tools.launch_model            # the notes' cells

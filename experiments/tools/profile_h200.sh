@@ -23,8 +23,8 @@ declare -A CASES=(
   # scores_ahead off at d = 256 (its default) and on at d = 64 (slower there, not yet known why)
   [fwd_d256_not_ahead]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":false}"
   [fwd_d64_ahead]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":true,\"consumers\":2}"
-  # lazy_rescale on at d = 64 (slower there, mosaic_notes.md; two consumers, the
-  # ping-pong of sass_d64_lazy_h200.txt, where the default now has three without a
+  # lazy_rescale on at d = 64 (slower there, docs/notes/mosaic_notes.md; two consumers, the
+  # ping-pong of sass_d64_lazy_h200.txt (git history at 939d587), where the default now has three without a
   # causal mask) and off at d = 128 (its default; 2-3% faster with it in one process)
   [fwd_d64_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":true,\"consumers\":2}"
   [fwd_d64_causal_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --causal --config {\"lazy_rescale\":true}"
