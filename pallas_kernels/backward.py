@@ -224,16 +224,11 @@ def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
 # out. Override with JFLASH_DKV_SPLITS (1 = never split).
 DKV_MIN_PROGRAMS = 3 * 132
 # Causal groups up to this size are split into one query head per program whatever the
-# program count. On the H200 (fwd+bwd TF/s, bf16, one process each;
-# experiments/results/gqa_split_h200.json and gqa_split2_h200.json): GQA 32/8 8K causal
-# d = 128 (2048 programs unsplit) 373.3 -> 412.2 and 375.2 -> 410.8 (+10%), GQA 16/4
-# 4K causal d = 64 311.9 -> 316.7; not causal, GQA 32/8 8K 434.1 -> 437.2 (level, so
-# not taken). A causal dK/dV program's work falls with its key block's distance from
+# program count: a causal dK/dV program's work falls with its key block's distance from
 # the end, and with the group's heads in one program the heaviest are `group` times
 # longer. The partial sums cost float32 dK and dV per query head, B x S x N x H x 8
-# bytes (512 MiB at GQA 32/8 8K, batch 2; cuDNN's temporaries there were 644 MiB,
-# bench_model_h200.json); MQA 16/1 16K causal split 16 ways instead of 2 gained 1.8%
-# (430.4 -> 438.2) for 8 times the partials, so larger groups keep the program rule.
+# bytes; past four heads a further split gains little for many times the partials, so
+# larger groups keep the program rule (the timings: docs/performance.md, "GQA splits").
 CAUSAL_FULL_SPLIT_MAX_GROUP = 4
 
 

@@ -48,38 +48,19 @@ class BlockSizes:
         raise ValueError(f"{f.name}={val!r} must be a power of two >= 16")
 
 
-# Defaults per head_dim (a head dim missing here takes the row of its padded width, e.g.
-# 72 the d = 128 row: it was not swept, and its pieces are those of 80, 64 + 16; products
-# over a head dim that is not a power of two run on power-of-two pieces of it,
-# `common.head_pieces`). Each kernel's row is (rows of Q, rows of K/V, num_warps,
-# num_stages). Notes for every row in
-# experiments/results/tuning_notes.md.
-# d = 64 and 128: the per-kernel block sweep on one H200
-# (experiments/results/bench_attention_block_sweep_h200_d64.json and _d128.json). The
-# dK/dV kernel prefers square 64 x 64 tiles with 4 warps: its tile holds P^T, dP^T and
-# dS^T at once, and wider key tiles spill at d=128 (32 x 128 ran at under half the
-# speed). The forward and dQ kernels keep one query tile resident and take 128 rows with
-# 8 warps at d=128.
-# d = 80 and 96, which run as pieces 64 + 16 and 64 + 32: the sweep on the H200 at the
-# model cells (B=4, T=S=4096, 16 heads; experiments/results/block_sweep_d80_d96_h200.json,
-# against the d = 128 row they took before): forward 128 x 64 / 4 warps 1.14x and 1.19x
-# d = 128's 128 x 128, dK/dV 64 x 64 in 3 stages 1.09x and 1.08x, dQ 128 x 32 / 4 warps
-# 1.09x at both. Where the two head dims' best differed
-# (d = 80 dK/dV 32 x 128: 277.8 against 274.4 TF/s; d = 96 forward 8 warps: 421.7
-# against 419.9) the difference was within a run's spread and the shared row is kept.
-# d = 256: the sweep in pallas_model_shapes_h200.json (B=4, T=S=4096, 8 heads, causal):
-# 128 x 64 / 8 warps forward (1.57x the 64 x 64 it replaces), dK/dV 64 x 32 / 4 warps
-# and dQ 128 x 32 / 8 warps (1.16x and 1.25x the 32 x 32 tiles); then
-# block_sweep_d256_h200.json: dQ in 3 stages, 1.11x (1.08x causal) the 2 it had; no dK/dV
-# candidate beat 64 x 32 / 4 warps / 2 stages (64 x 64 / 8 warps 0.87x, 3 stages 0.84x).
-# Why 32-row key tiles win at 256 was not profiled.
-# d = 160 and 192 (pieces 128 + 32 and 128 + 64), which took the d = 256 row before: the
-# sweep at d192 4K (16 heads) and a 12-head d160 4K cell, not causal
-# (block_sweep_d160_d192_h200.json): forward 128 x 64 / 8 warps in 3 stages 1.23x and
-# 1.32x the 2 stages of d = 256, dK/dV 32 x 64 / 4 warps 1.28x and 2.43x d = 256's 64 x
-# 32 (at d = 256 itself 32 x 64 ran at 0.37x); dQ stays d = 256's (no candidate ahead
-# at d = 192; at d = 160 the dQ pass was dominated by the slow dK/dV default).
-# head_dim 16/32 follow 64 (not swept).
+# Defaults per head_dim, from per-kernel block sweeps on an H200 (the sweeps and their
+# figures: docs/performance.md, "Where the Triton defaults come from"). A head dim
+# missing here takes the row of its padded width (72: d = 128's; its pieces are those of
+# 80, 64 + 16); products over a head dim that is not a power of two run on power-of-two
+# pieces of it (`common.head_pieces`). Each kernel's row is (rows of Q, rows of K/V,
+# num_warps, num_stages).
+# - dK/dV holds P^T, dP^T and dS^T of its tile at once, so its tiles stay small: 64 x 64
+#   with 4 warps up to d = 128 (wider key tiles spill at d = 128), 32 x 64 at d = 160-192,
+#   64 x 32 at d = 256 (why 32-row key tiles win there was not profiled).
+# - The forward and dQ kernels keep one query tile resident: 128 query rows from d = 80,
+#   8 warps from d = 128.
+# - Head dims that share pieces share a row (80 and 96; 160 and 192) where their best
+#   rows differed by less than a run's spread; 16 and 32 follow 64 (not swept).
 _TABLE = {  # head_dim: {kernel: (block_q, block_k, num_warps, num_stages)}
     16: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     32: dict(fwd=(64, 64, 4, 3), dkv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
