@@ -30,7 +30,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jflash import platforms
 from jflash.config import BackendConfig
-from jflash.masks import Masks, check_key, seed_from_key
+from jflash.masks import CAUSAL_ALIGNMENTS, Masks, check_key, seed_from_key
 
 Array = jax.Array
 
@@ -309,6 +309,7 @@ def prepare(
     *,
     scale: float | None = None,
     is_causal: bool = False,
+    causal_alignment: str = "top_left",
     query_seq_lengths: Array | None = None,
     key_value_seq_lengths: Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
@@ -333,6 +334,9 @@ def prepare(
   S = key.shape[1]
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+  if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got "
+                     f"{causal_alignment!r}")
   if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
       or not 0.0 <= dropout_rate < 1.0):
     raise ValueError(f"dropout_rate must be a number in [0, 1), got {dropout_rate!r}")
@@ -354,7 +358,10 @@ def prepare(
     if dropout_rng is None:
       raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng key")
     seed = seed_from_key(dropout_rng)
-  masks = Masks(is_causal=bool(is_causal), window=_window(local_window_size),
+  window = _window(local_window_size)
+  if not is_causal and window is None:  # no positional rule for the alignment to move
+    causal_alignment = "top_left"
+  masks = Masks(is_causal=bool(is_causal), window=window, causal_alignment=causal_alignment,
                 soft_cap=_soft_cap(logits_soft_cap), dropout_rate=float(dropout_rate),
                 bias=bias, mask=mask, q_lengths=lengths.get("query_seq_lengths"),
                 kv_lengths=lengths.get("key_value_seq_lengths"), q_segment_ids=q_seg,
@@ -365,9 +372,9 @@ def prepare(
 # The keyword options of `jflash.attention` (and `prepare`): what adapters such as
 # jflash.nn accept and forward.
 OPTIONS = frozenset({
-    "bias", "mask", "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
-    "local_window_size", "segment_ids", "logits_soft_cap", "dropout_rate", "dropout_rng",
-    "implementation", "config", "return_residuals"})
+    "bias", "mask", "scale", "is_causal", "causal_alignment", "query_seq_lengths",
+    "key_value_seq_lengths", "local_window_size", "segment_ids", "logits_soft_cap",
+    "dropout_rate", "dropout_rng", "implementation", "config", "return_residuals"})
 
 
 def zero_padding(query, key, value, masks: Masks):
@@ -490,6 +497,7 @@ def attention(
     *,
     scale: float | None = None,
     is_causal: bool = False,
+    causal_alignment: str = "top_left",
     query_seq_lengths: Array | None = None,
     key_value_seq_lengths: Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
@@ -515,7 +523,16 @@ def attention(
     mask: optional `[B|1, N|1, T, S]` bool, True = attend (as Flax and jax.nn pass it).
     scale: logits scale; None means `1/sqrt(H)`.
     is_causal: query i sees keys j <= i (as `jax.nn.dot_product_attention`; the
-      mask is aligned at the top-left also when T != S).
+      mask is aligned at the top-left also when T != S, unless `causal_alignment`
+      says otherwise).
+    causal_alignment: where query i sits for `is_causal` and `local_window_size`:
+      "top_left" (the default, jax.nn) at position i; "bottom_right" at
+      i + kv_len_b - q_len_b, the query rows being the last q_len_b of the kv_len_b
+      positions of batch row b (`key_value_seq_lengths`, default S;
+      `query_seq_lengths`, default T), as flash-attn aligns them. That is a KV
+      cache: with a cache of L_b keys and the q_len_b new tokens appended after it
+      (kv_len_b = L_b + q_len_b), causal query i sees keys j <= L_b + i, which is full
+      causal attention's row L_b + i, for decoding (T = 1) and chunked prefill alike.
     query_seq_lengths, key_value_seq_lengths: `[B]` int, right padding: rows
       i >= length return zeros, keys j >= length are hidden (jax.nn semantics).
       Checked against [0, T] / [0, S] when not traced.
@@ -555,7 +572,8 @@ def attention(
   """
   cfg, masks = prepare(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       implementation=implementation, config=config)

@@ -24,9 +24,10 @@ Array = jax.Array
 
 from pallas_kernels.masking import (
     BOUNDARY, FULL, SKIP, MaskOperands, MaskOptions, classes_static, dropout_keep,
-    dropout_row_key, ranges_from_classes)
+    dropout_row_key, query_offsets, ranges_from_classes)
 
-_STATIC = ("is_causal", "window", "soft_cap", "dropout_rate")
+_STATIC = ("is_causal", "window", "soft_cap", "dropout_rate", "causal_alignment")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 _ARRAYS = ("bias", "mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
            "dropout_seed")
 
@@ -45,6 +46,9 @@ class Masks:
   window: tuple[int, int] | None = None     # (left, right): i - left <= j <= i + right
   soft_cap: float | None = None             # logits -> cap * tanh(logits / cap)
   dropout_rate: float = 0.0                 # keep mask from dropout_seed, see below
+  # Query i's position for the causal and window rules: i ("top_left", jax.nn), or
+  # i + kv_len - q_len of its row ("bottom_right", KV caches; `query_offsets`).
+  causal_alignment: str = "top_left"
   bias: Array | None = None                 # [B|1, N|1, T, S] float, added to logits
   mask: Array | None = None                 # [B|1, N|1, T, S] bool, True = attend
   q_lengths: Array | None = None            # [B] int32
@@ -69,16 +73,22 @@ class Masks:
 jax.tree_util.register_dataclass(Masks, data_fields=list(_ARRAYS), meta_fields=list(_STATIC))
 
 
+def offsets_of(masks: Masks, T: int, S: int):
+  """`query_offsets` of `masks`: 0, an int, or [B] int32."""
+  return query_offsets(masks, T=T, S=S, q_lengths=masks.q_lengths, kv_lengths=masks.kv_lengths)
+
+
 def dense_keep_numpy(B, N, T, S, masks: Masks):
   """The whole [B, N, T, S] visibility (without dropout) for references and tests."""
   is_causal, window = masks.is_causal, masks.window
   rows = np.arange(T)[None, None, :, None]
   cols = np.arange(S)[None, None, None, :]
+  pos = rows + np.reshape(np.asarray(offsets_of(masks, T, S)), (-1, 1, 1, 1))
   keep = np.ones((B, N, T, S), bool)
   if is_causal:
-    keep &= rows >= cols
+    keep &= pos >= cols
   if window is not None:
-    keep &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+    keep &= (cols >= pos - window[0]) & (cols <= pos + window[1])
   if masks.q_lengths is not None:
     keep &= rows < np.asarray(masks.q_lengths)[:, None, None, None]
   if masks.kv_lengths is not None:
@@ -153,7 +163,10 @@ def data_tile_classes(*, B, T, S, block_q, block_k, masks: Masks):
 
 def tile_classes(*, B, T, S, block_q, block_k, masks: Masks):
   """[B, nq, nk] classes under every structured rule: what the kernels visit."""
-  classes = jnp.asarray(classes_static(T, S, block_q, block_k, masks))[None]
+  offset = offsets_of(masks, T, S)
+  classes = jnp.asarray(classes_static(
+      T, S, block_q, block_k, masks, offset if isinstance(offset, int) else offset[:, None, None]))
+  classes = classes if classes.ndim == 3 else classes[None]
   if masks.structured:
     classes = jnp.minimum(classes, data_tile_classes(B=B, T=T, S=S, block_q=block_q,
                                                      block_k=block_k, masks=masks))
@@ -185,18 +198,20 @@ def masked_logits(raw, cols, masks: Masks, *, K, G, S):
   B, _, _, T, c = raw.shape
   rows = jnp.arange(T)[:, None]
   colsb = cols[None, :]
+  # Query positions of the causal and window rules: [T, 1], or [B, 1, 1, T, 1] per row.
+  offset = offsets_of(masks, T, S)
+  pos = rows + (offset if isinstance(offset, int) else offset[:, None, None, None, None])
   t = None
   s = raw
   if masks.soft_cap is not None:
     t = jnp.tanh(raw / masks.soft_cap)
     s = masks.soft_cap * t
-  keep = jnp.broadcast_to((cols < S)[None, :], (T, c))
+  keep = jnp.broadcast_to((cols < S)[None, :], (T, c))[None, None, None]
   if masks.is_causal:
-    keep = keep & (rows >= colsb)
+    keep = keep & (pos >= colsb)
   if masks.window is not None:
     left, right = masks.window
-    keep = keep & (colsb >= rows - left) & (colsb <= rows + right)
-  keep = keep[None, None, None]
+    keep = keep & (colsb >= pos - left) & (colsb <= pos + right)
   safe = jnp.clip(cols, 0, None)
   if masks.bias is not None:
     bias = jnp.take(masks.bias, jnp.minimum(safe, masks.bias.shape[-1] - 1), axis=-1)
@@ -229,7 +244,8 @@ def kernel_records(masks: Masks, *, B: int, T: int, S: int) -> tuple[MaskOptions
   ("pallas", "mosaic_gpu", "hip") builds its per-tile ranges from these, so they all
   skip and mask exactly the same tiles."""
   opts = MaskOptions(is_causal=masks.is_causal, window=masks.window,
-                     soft_cap=masks.soft_cap, dropout_rate=masks.dropout_rate)
+                     soft_cap=masks.soft_cap, dropout_rate=masks.dropout_rate,
+                     causal_alignment=masks.causal_alignment)
   schedule = None
   if masks.structured:
     schedule = functools.partial(data_tile_classes, B=B, T=T, S=S, masks=masks)

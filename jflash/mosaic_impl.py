@@ -29,7 +29,7 @@ from pallas_kernels.mosaic_gpu import forward as _fwd
 PREFERRED_ON = ("hopper",)
 
 # Fields of `Masks` the kernel takes; the others raise NotImplementedError.
-UNSUPPORTED_MASKS = ("mask", "bias", "dropout_rate", "dropout_seed")
+UNSUPPORTED_MASKS = ("mask", "bias", "dropout_rate", "dropout_seed", "causal_alignment")
 
 
 def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:

@@ -77,7 +77,7 @@ def attention_xla(q, k, v, *, scale: float, is_causal: bool = False, masks=None)
 # -- float64 NumPy truth -------------------------------------------------------------
 
 def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = False,
-                    bias=None, mask=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                    causal_alignment: str = "top_left", bias=None, mask=None, query_seq_lengths=None, key_value_seq_lengths=None,
                     segment_ids=None, local_window_size=None, logits_soft_cap=None,
                     dropout_rate=0.0, dropout_seed=None, dout=None, dq_abs_terms=False):
   """float64 reference with every option of `jflash.attention`.
@@ -105,7 +105,7 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   if segment_ids is not None:
     q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
   keep = dense_keep_numpy(B, N, T, S, Masks(
-      is_causal=is_causal, window=local_window_size, mask=mask, q_lengths=query_seq_lengths,
+      is_causal=is_causal, window=local_window_size, causal_alignment=causal_alignment, mask=mask, q_lengths=query_seq_lengths,
       kv_lengths=key_value_seq_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg))
   kr = np.repeat(k, G, axis=2)  # query head n uses key head n // G
   vr = np.repeat(v, G, axis=2)

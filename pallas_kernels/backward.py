@@ -31,13 +31,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.forward import key_tile, mask_inputs
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    kernel_operands, query_block_order, tile_scores, times,
-                                    visit_tiles)
+                                    kernel_operands, query_block_order, query_offset,
+                                    tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
 def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, col0, masked,
-                kv_len, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads,
+                kv_len, q_offset, q_seg, kv_seg, mask_tile, bias_tile, seed, batch, head, num_heads,
                 fast_exp2, transposed=False):
   """(P~, dS, dS') of one tile: P~ feeds dV, dS the bias gradient, dS' feeds dQ and dK.
 
@@ -47,8 +47,8 @@ def _tile_grads(q, k, v, do, lse2, delta, *, opts, scale, acc, precision, row0, 
   memory per tile.
   """
   s, t, c = tile_scores(q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
-                        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg,
-                        mask_tile=mask_tile, bias_tile=bias_tile, transposed=transposed)
+                        col0=col0, masked=masked, kv_len=kv_len, q_offset=q_offset,
+                        q_seg=q_seg, kv_seg=kv_seg, mask_tile=mask_tile, bias_tile=bias_tile, transposed=transposed)
   per_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
   # lse2 is +inf on rows with no visible key and on rows past T: P = 0 there.
   p = common.exp2(times(s, c) - per_row(lse2), fast_exp2)
@@ -87,7 +87,7 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
   k = common.load_heads(r["k"], (slice(None),), cols_in, H)        # [bk, H] in head-dim pieces
   v = common.load_heads(r["v"], (slice(None),), cols_in, H)
   ranges = r["ranges"]
-  kv_len = ranges[5]
+  kv_len, q_offset = ranges[5], query_offset(ranges, opts)
   kv_seg = common.load(r["kv_seg"], cols_in, other=FILL["kv_seg"]) if "kv_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   dk = tuple(jnp.zeros(x.shape, acc) for x in k)
@@ -113,7 +113,7 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
         q, k, v, do, common.load(r["lse2"].at[g, rows], rows_in, other=jnp.inf),
         common.load(r["delta"].at[g, rows], rows_in), opts=opts, scale=scale,
         acc=acc, precision=precision, row0=row0, col0=col0, masked=masked,
-        kv_len=kv_len,
+        kv_len=kv_len, q_offset=q_offset,
         q_seg=(common.load(r["q_seg"].at[rows], rows_in, other=FILL["q_seg"])
                if "q_seg" in r else None),
         kv_seg=kv_seg, mask_tile=dense("mask"), bias_tile=dense("bias"), seed=seed,
@@ -166,7 +166,7 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
   lse2 = common.load(r["lse2"], rows_in, other=jnp.inf)
   delta = common.load(r["delta"], rows_in)
   ranges = r["ranges"]
-  lo, hi, kv_len = ranges[0], ranges[3], ranges[5]
+  lo, hi, kv_len, q_offset = ranges[0], ranges[3], ranges[5], query_offset(ranges, opts)
   q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   dq = tuple(jnp.zeros(x.shape, acc) for x in q)
@@ -175,7 +175,8 @@ def _dq_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, num_k_block
     t = key_tile(r, j, block_k=block_k, S=S, H=H, rows_in=rows_in, masked=masked)
     _, ds, ds_logits = _tile_grads(
         q, t.k, t.v, do, lse2, delta, opts=opts, scale=scale, acc=acc, precision=precision,
-        row0=row0, col0=t.col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=t.kv_seg,
+        row0=row0, col0=t.col0, masked=masked, kv_len=kv_len, q_offset=q_offset, q_seg=q_seg,
+        kv_seg=t.kv_seg,
         mask_tile=t.mask, bias_tile=t.bias, seed=seed, batch=b, head=n,
         num_heads=num_heads, fast_exp2=fast_exp2)
     if "dbias" in r:

@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges, dropout_scale,
-                                    kernel_operands, query_block_order, tile_scores, times,
-                                    visit_tiles)
+                                    kernel_operands, query_block_order, query_offset,
+                                    tile_scores, times, visit_tiles)
 from pallas_kernels.tuning import BlockSizes, default_block_sizes, launch_params, padded_head_dim
 
 
@@ -35,7 +35,7 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
   rows_in = common.tail(row0, T, block_q)          # the last query block may overrun T
   q = common.load_heads(r["q"], (slice(None),), rows_in, H)        # [bq, H] in head-dim pieces, resident
   ranges = r["ranges"]
-  q_len, kv_len = ranges[4], ranges[5]
+  q_len, kv_len, q_offset = ranges[4], ranges[5], query_offset(ranges, opts)
   q_seg = common.load(r["q_seg"], rows_in, other=FILL["q_seg"]) if "q_seg" in r else None
   seed = r["seed"][0] if "seed" in r else None
   m_i = jnp.full((block_q,), -jnp.inf, acc)
@@ -48,8 +48,8 @@ def _fwd_kernel(*refs, names, opts: MaskOptions, scale, block_q, block_k, T, S, 
     k, v, col0 = t.k, t.v, t.col0
     s, _, c = tile_scores(
         q, k, scale=scale, opts=opts, acc=acc, precision=precision, row0=row0,
-        col0=col0, masked=masked, kv_len=kv_len, q_seg=q_seg, kv_seg=t.kv_seg,
-        mask_tile=t.mask, bias_tile=t.bias)
+        col0=col0, masked=masked, kv_len=kv_len, q_offset=q_offset, q_seg=q_seg,
+        kv_seg=t.kv_seg, mask_tile=t.mask, bias_tile=t.bias)
     # -- update m_i and l_i (base 2: the logits are s * c, c > 0). A row with nothing
     # visible yet has m = -inf; use 0 in its place so exp2 never sees (-inf) - (-inf).
     m_new = jnp.maximum(m_i, times(jnp.max(s, axis=1), c))

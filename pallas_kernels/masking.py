@@ -27,6 +27,10 @@ class MaskOptions:
   window: tuple[int, int] | None = None     # (left, right): i - left <= j <= i + right
   soft_cap: float | None = None             # logits -> cap * tanh(logits / cap)
   dropout_rate: float = 0.0
+  # Where query i sits for the causal and window rules: "top_left" at position i,
+  # "bottom_right" at i + kv_len - q_len of its batch row (a KV cache's new queries come
+  # after the cached keys, as in flash-attn). The offset is data: slot 6 of the ranges.
+  causal_alignment: str = "top_left"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,16 +161,20 @@ def ranges_from_classes(classes, xp=jnp):
   return xp.stack([lo, full_lo, full_hi, hi], -1).astype(xp.int32)
 
 
-def classes_static(T, S, block_q, block_k, opts: MaskOptions):
-  """[nq, nk] classes under the static rules: causal, window, the clipped last key tile."""
+def classes_static(T, S, block_q, block_k, opts: MaskOptions, offset=0):
+  """[nq, nk] classes under the positional rules (causal, window) and the clipped last
+  key tile. Query positions are shifted by `offset` (`query_offsets`): an int gives a
+  NumPy table, a [B, 1, 1] array a [B, nq, nk] one."""
+  xp = np if isinstance(offset, (int, np.integer)) else jnp
   nq, nk = -(-T // block_q), -(-S // block_k)
-  r0 = np.arange(nq)[:, None] * block_q
-  r1 = np.minimum(r0 + block_q, T) - 1
-  c0 = np.arange(nk)[None, :] * block_k
+  r0 = xp.arange(nq)[:, None] * block_q
+  r1 = xp.minimum(r0 + block_q, T) - 1
+  r0, r1 = r0 + offset, r1 + offset
+  c0 = xp.arange(nk)[None, :] * block_k
   c1 = c0 + block_k - 1                  # last column of the tile
-  c1_real = np.minimum(c1, S - 1)         # last column that exists
-  any_ = np.ones((nq, nk), bool)
-  all_ = np.broadcast_to(c1 < S, (nq, nk))
+  c1_real = xp.minimum(c1, S - 1)         # last column that exists
+  any_ = xp.ones(r0.shape[:-1] + (nk,), bool)
+  all_ = xp.broadcast_to(c1 < S, any_.shape)
   if opts.is_causal:
     any_ = any_ & (c0 <= r1)
     all_ = all_ & (c1 <= r0)
@@ -174,24 +182,42 @@ def classes_static(T, S, block_q, block_k, opts: MaskOptions):
     left, right = opts.window
     any_ = any_ & (c1_real >= r0 - left) & (c0 <= r1 + right)
     all_ = all_ & (c0 >= r1 - left) & (c1 <= r0 + right)
-  return np.where(all_ & any_, FULL, np.where(any_, BOUNDARY, SKIP)).astype(np.int8)
+  return xp.where(all_ & any_, FULL, xp.where(any_, BOUNDARY, SKIP)).astype(xp.int8)
+
+
+def query_offsets(opts: MaskOptions, *, T, S, q_lengths=None, kv_lengths=None):
+  """Position of each batch row's query 0 for the causal and window rules: 0 aligned
+  top-left; kv_len - q_len aligned bottom-right (an int without lengths, else [B] int32,
+  with lengths clamped to [0, T] and [0, S] as the kernels clamp them)."""
+  if opts.causal_alignment != "bottom_right":
+    return 0
+  if q_lengths is None and kv_lengths is None:
+    return S - T
+  q = T if q_lengths is None else jnp.clip(q_lengths.astype(jnp.int32), 0, T)
+  kv = S if kv_lengths is None else jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
+  return jnp.asarray(kv - q, jnp.int32)
 
 
 def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, block_k,
                  transpose: bool = False):
-  """[B, n, 8] int32 per (batch, block): lo, full_lo, full_hi, hi, q_len, kv_len, 0, 0.
+  """[B, n, 8] int32 per (batch, block): lo, full_lo, full_hi, hi, q_len, kv_len,
+  query offset (`query_offsets`), 0.
 
   Rows are query blocks (forward, dQ) or, with `transpose`, key blocks (dK/dV). The
   classes of the static rules and of the caller's data-dependent `schedule` combine by
   minimum, since SKIP < BOUNDARY < FULL.
   """
-  static = classes_static(T, S, block_q, block_k, opts)
+  offset = query_offsets(opts, T=T, S=S, q_lengths=ops.q_lengths, kv_lengths=ops.kv_lengths)
   if ops.schedule is None and ops.q_lengths is None and ops.kv_lengths is None:
     # Static rules only: the table is a constant, built here in NumPy.
+    static = classes_static(T, S, block_q, block_k, opts, offset)
     r = ranges_from_classes(static.T if transpose else static, xp=np)
-    r = np.concatenate([r, np.tile(np.array([[T, S, 0, 0]], np.int32), (len(r), 1))], -1)
+    r = np.concatenate([r, np.tile(np.array([[T, S, offset, 0]], np.int32), (len(r), 1))], -1)
     return jnp.asarray(np.broadcast_to(r[None], (B, *r.shape)))
-  classes = jnp.asarray(static)[None]
+  per_row = not isinstance(offset, int)
+  static = classes_static(T, S, block_q, block_k, opts,
+                          offset[:, None, None] if per_row else offset)
+  classes = static if per_row else jnp.asarray(static)[None]
   if ops.schedule is not None:
     classes = jnp.minimum(classes, ops.schedule(block_q=block_q, block_k=block_k).astype(jnp.int8))
   classes = jnp.broadcast_to(classes, (B, *classes.shape[1:]))
@@ -206,8 +232,15 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
       (jnp.full((B,), full, jnp.int32) if x is None
        else jnp.clip(x.astype(jnp.int32), 0, full))[:, None, None],
       (B, n, 1))
-  zeros = jnp.zeros((B, n, 2), jnp.int32)
-  return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), zeros], -1)
+  offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32).reshape(-1, 1, 1), (B, n, 1))
+  zeros = jnp.zeros((B, n, 1), jnp.int32)
+  return jnp.concatenate([r, lens(ops.q_lengths, T), lens(ops.kv_lengths, S), offsets, zeros],
+                         -1)
+
+
+def query_offset(ranges, opts: MaskOptions):
+  """The query offset of a block's row of `build_ranges` (0, never loaded, top-left)."""
+  return ranges[6] if opts.causal_alignment == "bottom_right" else 0
 
 
 def visit_tiles(ranges, body, carry):
@@ -228,7 +261,7 @@ def _along(x, axis):
 # -- what a kernel does with a tile ----------------------------------------------------------
 
 def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, masked,
-                kv_len, q_seg=None, kv_seg=None, mask_tile=None, bias_tile=None,
+                kv_len, q_offset=0, q_seg=None, kv_seg=None, mask_tile=None, bias_tile=None,
                 transposed=False):
   """Logits of one tile with every mask applied: (s, t, c).
 
@@ -241,8 +274,9 @@ def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, m
   The tile is [bq, bk], or [bk, bq] with `transposed` (the dK/dV kernel, which then
   feeds P^T and dS^T to its matmuls without transposing a register tile). `mask_tile`
   and `bias_tile` are always [bq, bk]. `masked` is static: FULL tiles skip the
-  element-wise structured rules entirely. `q` and `k` are given as head-dim pieces
-  (`common.head_pieces`).
+  element-wise structured rules entirely. `q_offset` shifts the query positions of the
+  causal and window rules (slot 6 of the ranges). `q` and `k` are given as head-dim
+  pieces (`common.head_pieces`).
   """
   from pallas_kernels.common import LOG2E, dot_heads
   s = dot_heads(k, q, acc=acc, precision=precision) if transposed else \
@@ -262,7 +296,7 @@ def tile_scores(q, k, *, scale, opts: MaskOptions, acc, precision, row0, col0, m
     c = 1.0
   keep = None
   if masked:
-    rows = row0 + lax.broadcasted_iota(jnp.int32, s.shape, qa)
+    rows = row0 + q_offset + lax.broadcasted_iota(jnp.int32, s.shape, qa)
     cols = col0 + lax.broadcasted_iota(jnp.int32, s.shape, ka)
     keep = structured_keep(rows, cols, opts, kv_len=kv_len,
                            q_seg=None if q_seg is None else _along(q_seg, qa),

@@ -1,0 +1,133 @@
+"""Bottom-right causal alignment (KV caches): a decode step (T = 1) and a chunked
+prefill (T = 16, ragged) over a cache of L_b keys per row equal the rows L_b .. of full
+causal attention over the concatenated sequence, forward and gradients, against the
+float64 NumPy truth under the tolerance rule (tests/attention_test_base.py), where the
+plain same-dtype implementation is "xla" over the whole concatenated sequence."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import mosaic_impl
+from tests.attention_test_base import floor, max_err, tile_config
+
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas")
+N, K, H = 4, 2, 16
+S = 48          # the cache buffer: keys past a row's length are padding (NaN here)
+
+
+def _problem(cache, new, seed):
+  """(q, k, v, do) of the call under test, lengths, and the full-sequence problem."""
+  B, T = len(cache), max(new)
+  r = np.random.default_rng(seed)
+  full = np.asarray(cache) + np.asarray(new)            # kv_len of each row
+  qf = r.standard_normal((B, S, N, H))                   # the concatenated sequence
+  kf = r.standard_normal((B, S, K, H))
+  vf = r.standard_normal((B, S, K, H))
+  dof = np.zeros((B, S, N, H))
+  q = np.full((B, T, N, H), np.nan)                      # right padding holds anything
+  do = np.zeros((B, T, N, H))
+  for b, (L, n) in enumerate(zip(cache, new)):
+    q[b, :n] = qf[b, L:L + n]
+    do[b, :n] = r.standard_normal((n, N, H))
+    dof[b, L:L + n] = do[b, :n]
+  k, v = kf.copy(), vf.copy()
+  for b, F in enumerate(full):
+    k[b, F:] = v[b, F:] = np.nan
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  lengths = (jnp.asarray(new, jnp.int32), jnp.asarray(full, jnp.int32))
+  return ((f32(q), f32(k), f32(v), f32(do)), lengths,
+          (f32(qf), f32(kf), f32(vf), f32(dof)), full)
+
+
+def _fwd_bwd(fn, q, k, v, do):
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+  return jax.jit(run)(q, k, v, do)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("cache,new", [((40, 3, 0), (1, 1, 1)),         # decode
+                                       ((9, 31, 0), (16, 7, 1))],       # chunked prefill
+                         ids=["decode", "chunked_prefill"])
+def test_cache_rows_equal_full_causal_attention(implementation, cache, new):
+  (q, k, v, do), (q_len, kv_len), (qf, kf, vf, dof), full = _problem(cache, new, seed=1)
+  cfg = tile_config(implementation, 16, 16)
+  got = _fwd_bwd(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_len,
+      key_value_seq_lengths=kv_len, implementation=implementation, config=cfg), q, k, v, do)
+  plain = _fwd_bwd(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, key_value_seq_lengths=kv_len, implementation="xla"),
+      qf, kf, vf, dof)
+  ref = jflash.attention_numpy(qf, kf, vf, is_causal=True, key_value_seq_lengths=full,
+                               dout=dof)
+  ref_out, ref_dq, ref_dk, ref_dv = ref[0], *ref[2:]
+  T = q.shape[1]
+  for b, (L, n) in enumerate(zip(cache, new)):
+    rows = slice(L, L + n)
+    checks = [("out", got[0][b, :n], plain[0][b, rows], ref_out[b, rows]),
+              ("dq", got[1][b, :n], plain[1][b, rows], ref_dq[b, rows]),
+              ("dk", got[2][b, :full[b]], plain[2][b, :full[b]], ref_dk[b, :full[b]]),
+              ("dv", got[3][b, :full[b]], plain[3][b, :full[b]], ref_dv[b, :full[b]])]
+    for name, g, p, want in checks:
+      g = np.asarray(g, np.float64)
+      assert np.all(np.isfinite(g)), f"row {b} {name}: non-finite"
+      err, err_plain = max_err(g, want), max_err(p, want)
+      bound = 2 * err_plain + floor(jnp.float32, want, max(S, T * N // K))
+      assert err <= bound, (b, name, err, err_plain)
+    # Padded query rows give zeros; padded keys get zero gradients.
+    np.testing.assert_array_equal(np.asarray(got[0][b, n:]), 0)
+    np.testing.assert_array_equal(np.asarray(got[2][b, full[b]:]), 0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_without_lengths_aligns_the_last_query_with_the_last_key(implementation):
+  # No lengths: the offset is S - T for every row (a static one for the kernels). With
+  # a window, query i sees keys S - T + i - 3 .. S - T + i.
+  r = np.random.default_rng(2)
+  B, T = 2, 5
+  q, k, v = (jnp.asarray(r.standard_normal(s), jnp.float32)
+             for s in ((B, T, N, H), (B, 37, K, H), (B, 37, K, H)))
+  for kw in (dict(), dict(local_window_size=(3, 0))):
+    got = jflash.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                           implementation=implementation,
+                           config=tile_config(implementation, 16, 16), **kw)
+    qf = jnp.zeros((B, 37, N, H), jnp.float32).at[:, 37 - T:].set(q)
+    want = jflash.attention_numpy(qf, k, v, is_causal=True,
+                                  local_window_size=kw.get("local_window_size"))[0][:, 37 - T:]
+    plain = jflash.attention(qf, k, v, is_causal=True, implementation="xla", **kw)[:, 37 - T:]
+    err, err_plain = max_err(got, want), max_err(plain, want)
+    assert err <= 2 * err_plain + floor(jnp.float32, want, 37), (kw, err, err_plain)
+
+
+def test_top_left_stays_the_default():
+  r = np.random.default_rng(3)
+  q = jnp.asarray(r.standard_normal((1, 3, 2, 8)), jnp.float32)
+  k = jnp.asarray(r.standard_normal((1, 9, 2, 8)), jnp.float32)
+  out = jflash.attention(q, k, k, is_causal=True, implementation="xla")
+  want = jax.nn.dot_product_attention(q, k, k, is_causal=True)
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_alignment_is_a_value_error():
+  x = jnp.zeros((1, 2, 1, 8))
+  with pytest.raises(ValueError, match="causal_alignment"):
+    jflash.attention(x, x, x, is_causal=True, causal_alignment="lower_right")
+
+
+def test_mosaic_gpu_refuses_bottom_right():
+  x = jnp.zeros((1, 2, 1, 64), jnp.bfloat16)
+  cfg, masks = jflash.prepare(x, x, x, is_causal=True, causal_alignment="bottom_right")
+  with pytest.raises(NotImplementedError, match="causal_alignment"):
+    mosaic_impl.check_call(x, x, x, cfg, masks, platform="gpu", capability="9.0")
+
+
+def test_hip_refuses_bottom_right():
+  x = jnp.zeros((1, 2, 1, 64), jnp.float16)
+  with pytest.raises(NotImplementedError, match="causal_alignment"):
+    jflash.attention(x, x, x, is_causal=True, causal_alignment="bottom_right",
+                     implementation="hip")
