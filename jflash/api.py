@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jflash import platforms
+from jflash import platforms, sharding
 from jflash.config import BackendConfig
 from jflash.masks import CAUSAL_ALIGNMENTS, Masks, check_key, seed_from_key
 
@@ -411,11 +411,11 @@ def resolve_implementation(implementation, check: Callable[[Implementation], Non
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(q, k, v, masks, impl: Implementation, cfg: AttentionConfig):
-  return impl.forward(q, k, v, cfg, masks)
+  return sharding.forward(impl, q, k, v, cfg, masks)
 
 
 def _flash_fwd(q, k, v, masks, impl, cfg):
-  out, lse = impl.forward(q, k, v, cfg, masks)
+  out, lse = sharding.forward(impl, q, k, v, cfg, masks)
   return (out, lse), (q, k, v, masks, out, lse)
 
 
@@ -424,7 +424,7 @@ def _flash_bwd(impl, cfg, res, cotangents):
   dout, dlse = cotangents
   # d lse_i / d s_ij = P_ij, so a cotangent on lse folds into delta:
   # dS = P * (dP - (rowsum(dO * O) - dlse)). Without return_residuals dlse is zero.
-  grads = impl.backward(q, k, v, out, lse, dout, dlse, cfg, masks)
+  grads = sharding.backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks)
   # Only the bias has a gradient; masks, lengths, ids and the seed are not
   # differentiable (None stands for their zero cotangent).
   dmasks = dataclasses.replace(jax.tree_util.tree_map(lambda _: None, masks),

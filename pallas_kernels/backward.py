@@ -133,7 +133,11 @@ def _dkv_kernel(*refs, names, opts, scale, block_q, block_k, T, S, H, group, num
   if group == 1:  # an int32 index: interpret mode's masked load rejects a Python int
     dk, dv = one_head(jnp.int32(0), (dk, dv))
   else:
-    dk, dv = lax.fori_loop(0, group, one_head, (dk, dv))
+    # A trip count traced from the program id keeps this a while loop (lowered to
+    # scf.for as the tile loops are) instead of a scan: JAX 0.10's Pallas interpreter
+    # re-evaluates a scan with the varying operands of shard_map(check_vma=True) and
+    # rejects its carry, whose types were fixed when the kernel was traced.
+    dk, dv = lax.fori_loop(0, group + 0 * h, one_head, (dk, dv))
   common.store_heads(r["dk"], [x * scale for x in dk], cols_in, H)
   common.store_heads(r["dv"], dv, cols_in, H)
 
@@ -307,14 +311,16 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   x_names, x_arrays, x_specs, head_blocked = _group_inputs(ops, G=Gp, Tp=Tp, bk=bk)
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, "dk", "dv"]
+  operands = (q, k, v, dout, lse2, delta, ranges, *x_arrays)
   if P == 1:
     out_specs = [pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0))] * 2
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_shape = [common.out_type(k.shape, k.dtype, *operands),
+                 common.out_type(v.shape, v.dtype, *operands)]
   else:
     # Each part of a group writes its own float32 partial sums, added up below.
     out_specs = [pl.BlockSpec((None, None, bk, None, Hp),
                               lambda j, b, h: (h % P, b, j, h // P, 0))] * 2
-    out_shape = [jax.ShapeDtypeStruct((P, *k.shape), acc)] * 2
+    out_shape = [common.out_type((P, *k.shape), acc, *operands)] * 2
   kv_head = lambda h: h // P
   dk, dv = pl.pallas_call(
       functools.partial(
@@ -336,7 +342,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       compiler_params=common.triton_params(*launch_params(H, blocks, "dkv")),
       interpret=interp,
       name="jflash_bwd_dkv",
-  )(q, k, v, dout, lse2, delta, ranges, *x_arrays)
+  )(*operands)
   if P > 1:
     dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
 
@@ -348,15 +354,16 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   qo = query_block_order(Tp // bq, opts)
   x_names, x_arrays, x_specs = mask_inputs(
       ops, Sp=Sp, bq=bq, q_index=lambda i, b, n: (b, n, qo(i)))
+  operands = (q, k, v, dout, lse2, delta, ranges, *x_arrays)
   out_names = ["dq"]
   out_specs = [pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, qo(i), n, 0))]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [common.out_type(q.shape, q.dtype, *operands)]
   if ops.bias is not None:
     # The bias is the caller's own [B|1, N|1, T, S] input; its gradient is written per
     # (batch, head) and summed over broadcast axes below.
     out_names.append("dbias")
     out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, qo(i), 0)))
-    out_shape.append(jax.ShapeDtypeStruct((B, N, T, S), acc))
+    out_shape.append(common.out_type((B, N, T, S), acc, *operands))
   names = ["q", "k", "v", "do", "lse2", "delta", "ranges", *x_names, *out_names]
   res = pl.pallas_call(
       functools.partial(
@@ -378,7 +385,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       compiler_params=common.triton_params(*launch_params(H, blocks, "dq")),
       interpret=interp,
       name="jflash_bwd_dq",
-  )(q, k, v, dout, lse2, delta, ranges, *x_arrays)
+  )(*operands)
   grads = (res[0], dk, dv)
   if ops.bias is None:
     return grads

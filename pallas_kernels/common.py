@@ -177,3 +177,15 @@ def tail(start, length: int, block: int):
 
 def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
+
+
+def out_type(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """A kernel output's type, varying over every mesh axis an operand varies over.
+
+  Inside `shard_map` with its default `check_vma=True`, each output of a `pallas_call`
+  must state the manual mesh axes it varies over (a kernel on a device's shard gives
+  that device's values); outside one the set is empty.
+  """
+  mats = [jax.typeof(x).mat for x in operands if x is not None]
+  varying = frozenset().union(*(m.varying for m in mats))
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))

@@ -1,0 +1,327 @@
+"""`jflash.attention` under `jax.jit` with sharded batch and heads (`jflash.sharding`),
+and inside `shard_map` with `check_vma=True`, on 4 CPU devices.
+
+As in test_parallel.py, one subprocess (this file run with `--worker`) starts jax with
+4 host devices, computes every case once and prints the results as JSON; each test
+reads its own case. A case compiles the forward and the gradient of one call and
+records the shardings of the results, the collectives in the compiled modules, and
+the errors against a float64 NumPy truth.
+
+Tolerance rule (float32): a sharded call's error against the float64 truth is at most
+twice the error of the same implementation on one device, plus a floor of 4 float32
+ulps of the largest true value.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_DEVICES = 4
+RESULT_MARK = "SHARDING_RESULTS_JSON="
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas")
+MESHES = ("Auto", "Explicit")
+# [B, T, N, H] with GQA (N = 2K): batch over "x", heads over "y" (2 devices, dividing K)
+B, T, N, K, H = 4, 32, 4, 2, 16
+SPEC = ("x", None, "y", None)
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce",
+               "reduce-scatter")
+
+
+# -- the subprocess ------------------------------------------------------------------
+
+def _truth(q, k, v, dout, bias=None, keep=None):
+  """float64 (out, dq, dk, dv, dbias) of causal GQA attention and the loss sum(out * dout)."""
+  q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+  G = q.shape[2] // k.shape[2]
+  kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, kr) / np.sqrt(q.shape[-1])
+  if bias is not None:
+    s = s + np.asarray(bias, np.float64)
+  vis = np.tril(np.ones((q.shape[1], k.shape[1]), bool))[None, None]
+  if keep is not None:
+    vis = vis & keep
+  s = np.where(vis, s, -np.inf)
+  m = np.max(s, -1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0)
+  e = np.exp(s - m)
+  l = e.sum(-1, keepdims=True)
+  p = np.where(l > 0, e / np.where(l > 0, l, 1), 0)
+  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  dp = np.einsum("btnh,bsnh->bnts", dout, vr)
+  ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
+  dq = np.einsum("bnts,bsnh->btnh", ds, kr) / np.sqrt(q.shape[-1])
+  dkr = np.einsum("bnts,btnh->bsnh", ds, q) / np.sqrt(q.shape[-1])
+  dvr = np.einsum("bnts,btnh->bsnh", p, dout)
+  fold = lambda x: x.reshape(*x.shape[:2], k.shape[2], G, x.shape[-1]).sum(3)
+  dbias = None
+  if bias is not None:
+    dbias = ds.sum(axis=tuple(a for a in (0, 1) if np.shape(bias)[a] == 1), keepdims=True)
+  return out, dq, fold(dkr), fold(dvr), dbias
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: rng.standard_normal(s).astype(np.float32)
+  return f(B, T, N, H), f(B, T, K, H), f(B, T, K, H), f(B, T, N, H)
+
+
+def _mesh(kind):
+  import jax
+  from jax.sharding import AxisType
+  t = getattr(AxisType, kind)
+  return jax.make_mesh((2, 2), ("x", "y"), axis_types=(t, t))
+
+
+def _collectives(text):
+  return {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+
+
+def _spec(x):
+  spec = tuple(x.sharding.spec)
+  return list(spec + (None,) * (x.ndim - len(spec)))
+
+
+def _errors(got, truth, base):
+  """max |got - truth| and max |base - truth| (base: one device, same implementation)."""
+  return {"sharded": float(np.max(np.abs(np.asarray(got, np.float64) - truth))),
+          "one_device": float(np.max(np.abs(np.asarray(base, np.float64) - truth))),
+          "max_abs_truth": float(np.max(np.abs(truth)))}
+
+
+def _jit_case(impl, kind, with_masks=False):
+  """Forward and gradient of one call with q/k/v sharded as SPEC on a `kind` mesh."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jflash
+  mesh = _mesh(kind)
+  q, k, v, dout = _inputs()
+  opts, bias = {}, None
+  truth_kw = {}
+  if with_masks:
+    # a bias broadcast over batch (its gradient sums over the batch devices), lengths
+    # [B], segment ids [B, T]: every mask operand partitioned along batch and heads
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal((1, N, T, T)).astype(np.float32)
+    kv_len = np.array([T, 17, 9, T], np.int32)
+    seg = np.repeat(np.array([[0] * 12 + [1] * 20]), B, 0).astype(np.int32)
+    seg[1] = 0
+    keep = ((np.arange(T)[None, None, None, :] < kv_len[:, None, None, None])
+            & (seg[:, None, :, None] == seg[:, None, None, :]))
+    truth_kw = {"bias": bias, "keep": keep}
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    bias = put(bias, P(None, "y"))
+    opts = {"key_value_seq_lengths": put(kv_len, P("x")), "segment_ids": put(seg, P("x"))}
+  sharded = lambda x: jax.device_put(x, NamedSharding(mesh, P(*SPEC)))
+  args = tuple(sharded(x) for x in (q, k, v))
+  do = sharded(dout)
+
+  def loss(q, k, v, do, bias, opts):
+    return jnp.sum(jflash.attention(q, k, v, bias, is_causal=True, implementation=impl,
+                                    **opts) * do)
+
+  fwd = jax.jit(lambda q, k, v, bias, opts: jflash.attention(
+      q, k, v, bias, is_causal=True, implementation=impl, return_residuals=True, **opts))
+  argnums = (0, 1, 2, 4) if with_masks else (0, 1, 2)
+  grad = jax.jit(jax.grad(loss, argnums=argnums))
+  out, lse = fwd(*args, bias, opts)
+  grads = grad(*args, do, bias, opts)
+  text = (fwd.lower(*args, bias, opts).compile().as_text()
+          + grad.lower(*args, do, bias, opts).compile().as_text())
+  base_opts = {n: np.asarray(x) for n, x in opts.items()}
+  base_bias = None if bias is None else np.asarray(bias)
+  base_out = jflash.attention(q, k, v, base_bias, is_causal=True, implementation=impl,
+                              **base_opts)
+  base_grads = jax.grad(loss, argnums=argnums)(q, k, v, dout, base_bias, base_opts)
+  truth = _truth(q, k, v, dout, **truth_kw)
+  names = ("out", "dq", "dk", "dv")
+  got = (out, *grads[:3])
+  base = (base_out, *base_grads[:3])
+  errors = {n: _errors(g, t, b) for n, g, t, b in zip(names, got, truth, base)}
+  specs = {"out": _spec(out), "lse": _spec(lse), "dq": _spec(grads[0]),
+           "dk": _spec(grads[1]), "dv": _spec(grads[2])}
+  if with_masks:
+    errors["dbias"] = _errors(grads[3], truth[4], base_grads[3])
+    specs["dbias"] = _spec(grads[3])
+  return {"specs": specs, "collectives": _collectives(text), "errors": errors}
+
+
+def _shard_map_case(impl):
+  """The call inside shard_map with check_vma=True (JAX's default), forward and gradient."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  import jflash
+  mesh = _mesh("Explicit")
+  q, k, v, dout = _inputs()
+  spec = P(*SPEC)
+  attn = jax.shard_map(
+      lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=impl),
+      mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * dout)
+  put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  args = tuple(put(x) for x in (q, k, v))
+  out = jax.jit(attn)(*args)
+  grads = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2)))(*args)
+  plain = lambda q, k, v: jflash.attention(q, k, v, is_causal=True, implementation=impl)
+  base = (plain(q, k, v), *jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v))
+  truth = _truth(q, k, v, dout)
+  return {"errors": {n: _errors(g, t, b) for n, g, t, b in
+                     zip(("out", "dq", "dk", "dv"), (out, *grads), truth[:4], base)}}
+
+
+def _error_of(fn):
+  try:
+    fn()
+  except Exception as e:  # the test checks the type and the message
+    return {"type": type(e).__name__, "message": str(e)}
+  return {"type": None, "message": ""}
+
+
+def _refusals():
+  """What a call that cannot be partitioned without a gather raises."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jflash
+  q, k, v, _ = _inputs()
+  res = {}
+  for kind in MESHES:
+    mesh = _mesh(kind)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    seq = P(None, "x")
+    res[f"sequence-{kind}"] = _error_of(lambda: jax.jit(
+        lambda q, k, v: jflash.attention(q, k, v, implementation="xla_chunked")).lower(
+            put(q, seq), put(k, seq), put(v, seq)).compile())
+  mesh = jax.make_mesh((4,), ("h",))  # 4 devices on the heads: not a divisor of K = 2
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, None, "h")))
+  res["gqa-split"] = _error_of(lambda: jax.jit(
+      lambda q: jflash.attention(q, k, v, implementation="xla_chunked"))(put(q)))
+  mesh = _mesh("Explicit")
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))
+  res["dropout"] = _error_of(lambda: jax.jit(lambda q, k, v: jflash.attention(
+      q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+      implementation="xla_chunked"))(put(q), put(k), put(v)))
+  return res
+
+
+def _worker():
+  import jax
+  assert jax.device_count() == NUM_DEVICES, jax.devices()  # the flag took effect
+  cases = {}
+  run = lambda name, fn: cases.__setitem__(name, _guarded(fn))
+  for impl in IMPLEMENTATIONS:
+    for kind in MESHES:
+      run(f"jit-{impl}-{kind}", lambda: _jit_case(impl, kind))
+    run(f"shard_map-{impl}", lambda: _shard_map_case(impl))
+  for impl, kind in (("xla_chunked", "Auto"), ("pallas", "Auto"), ("pallas", "Explicit")):
+    run(f"masks-{impl}-{kind}", lambda: _jit_case(impl, kind, with_masks=True))
+  run("refusals", _refusals)
+  print(RESULT_MARK + json.dumps(cases))
+
+
+def _guarded(fn):
+  try:
+    return {"ok": True, **fn()}
+  except Exception:  # reported by that case's test, the others still run
+    return {"ok": False, "traceback": traceback.format_exc()}
+
+
+# -- the tests -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ)
+  # The device count must be set before jax starts, last (XLA takes a flag's last value).
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_MARK)]
+  if proc.returncode or not lines:
+    pytest.fail(f"sharding worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+  return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def _check_errors(case, errors):
+  eps = float(np.finfo(np.float32).eps)
+  failures = [f"{n}: |sharded - f64| = {e['sharded']:.3g} > 2 x |one device - f64| + floor"
+              f" = {2 * e['one_device'] + 4 * eps * e['max_abs_truth']:.3g}"
+              for n, e in errors.items()
+              # written as "not <=" so that a NaN error fails
+              if not e["sharded"] <= 2 * e["one_device"] + 4 * eps * e["max_abs_truth"]]
+  assert not failures, f"{case}:\n" + "\n".join(failures)
+
+
+def _case(results, name):
+  res = results[name]
+  assert res["ok"], f"{name} raised:\n{res.get('traceback')}"
+  return res
+
+
+@pytest.mark.parametrize("kind", MESHES)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_jit_keeps_batch_and_heads_sharded_without_collectives(results, impl, kind):
+  res = _case(results, f"jit-{impl}-{kind}")
+  q_spec = list(SPEC)
+  assert res["specs"]["out"] == q_spec and res["specs"]["dq"] == q_spec, res["specs"]
+  assert res["specs"]["lse"] == [SPEC[0], SPEC[2], None], res["specs"]
+  # K = 2 key heads over the 2 devices of "y": each device keeps its GQA group's head
+  assert res["specs"]["dk"] == q_spec and res["specs"]["dv"] == q_spec, res["specs"]
+  assert not any(res["collectives"].values()), res["collectives"]
+  _check_errors(f"jit-{impl}-{kind}", res["errors"])
+
+
+@pytest.mark.parametrize("name", ["masks-xla_chunked-Auto", "masks-pallas-Auto",
+                                  "masks-pallas-Explicit"])
+def test_mask_operands_are_partitioned_with_the_batch_and_heads(results, name):
+  res = _case(results, name)
+  assert res["specs"]["out"] == list(SPEC), res["specs"]
+  # The bias [1, N, T, S] is shared by the batch: its gradient is the one sum across
+  # devices (over "x"); nothing is gathered.
+  assert res["specs"]["dbias"] == [None, "y", None, None], res["specs"]
+  c = res["collectives"]
+  assert c["all-gather"] == c["all-to-all"] == c["collective-permute"] == 0, c
+  _check_errors(name, res["errors"])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_shard_map_with_check_vma(results, impl):
+  _check_errors(f"shard_map-{impl}", _case(results, f"shard_map-{impl}")["errors"])
+
+
+@pytest.mark.parametrize("kind", MESHES)
+def test_sharded_sequence_points_to_ring_attention(results, kind):
+  err = _case(results, "refusals")[f"sequence-{kind}"]
+  assert "jflash.parallel.ring_attention" in err["message"], err
+  # Explicit: the shardings are types, known when the call is traced. Auto: they are
+  # decided by the partitioner at compile time, which reports the rule's error.
+  assert err["type"] == ("NotImplementedError" if kind == "Explicit" else "JaxRuntimeError")
+  assert "NotImplementedError" in err["message"] or err["type"] == "NotImplementedError"
+
+
+def test_gqa_group_split_across_devices_is_refused(results):
+  err = _case(results, "refusals")["gqa-split"]
+  assert err["type"] == "NotImplementedError" and "K=2" in err["message"], err
+
+
+def test_dropout_with_sharded_batch_is_refused(results):
+  err = _case(results, "refusals")["dropout"]
+  assert err["type"] == "NotImplementedError" and "dropout" in err["message"], err
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+  _worker()
