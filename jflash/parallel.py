@@ -309,39 +309,45 @@ def _block_masks(ring: _Ring, causal: bool, qs: dict, kv: dict) -> Masks:
                kv_lengths=kv.get("len"))
 
 
-def _block_forward(ring: _Ring, case: int, qs: dict, kv: dict):
-  """One block's partial (out in the stat dtype, lse), always of the local query shape."""
-  q = qs["q"]
-  acc = stat_dtype(q.dtype)
+def _block_forward(ring: _Ring, case: int, qs: dict, kv: dict, o, l):
+  """The running (out, lse) (float32, the local query shape) merged with one block's
+  partial. A case that covers only some query rows merges into those rows in place,
+  so no step holds a padded copy of the whole output."""
   if case == SKIP:
-    return jnp.zeros_like(q, acc), jnp.full_like(q[..., 0], -jnp.inf, acc).swapaxes(1, 2)
+    return o, l
   qc, kc, causal = _block_call(case, qs, kv)
   out, lse = ring.impl.forward(qc["q"], kc["k"], kc["v"], ring.cfg,
                                _block_masks(ring, causal, qc, kc))
-  if case == UPPER:
-    c = q.shape[1] // 2
-    out = _pad_seq(out, c, 0, 1)
-    lse = jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=2)
-  return out.astype(acc), lse.astype(acc)
+  acc = o.dtype
+  if case != UPPER:
+    return _merge(o, l, out.astype(acc), lse.astype(acc))
+  c = o.shape[1] // 2  # UPPER: the last query chunk only
+  o2, l2 = _merge(o[:, c:], l[..., c:], out.astype(acc), lse.astype(acc))
+  return (lax.dynamic_update_slice_in_dim(o, o2, c, axis=1),
+          lax.dynamic_update_slice_in_dim(l, l2, c, axis=2))
 
 
-def _block_backward(ring: _Ring, case: int, qs: dict, kv: dict, out, lse, dout, dlse):
-  """One block's terms of (dq, dk, dv) from the global out/lse, in the stat dtype."""
-  q, k, v = qs["q"], kv["k"], kv["v"]
-  acc = stat_dtype(q.dtype)
+def _block_backward(ring: _Ring, case: int, qs: dict, kv: dict, res, grads):
+  """The accumulators (dq, dk, dv) (float32) plus one block's terms, from the global
+  out/lse. A case that touches only one chunk adds into that chunk in place."""
   if case == SKIP:
-    return jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc)
+    return grads
+  out, lse, dout, dlse = res
+  dq, dk, dv = grads
   qc, kc, causal = _block_call(case, qs, kv)
-  c = q.shape[1] // 2
+  c = qs["q"].shape[1] // 2
   if case == UPPER:  # the residuals of the queries it takes
     out, lse, dout, dlse = out[:, c:], lse[..., c:], dout[:, c:], dlse[..., c:]
-  dq, dk, dv = ring.impl.backward(qc["q"], kc["k"], kc["v"], out, lse, dout, dlse,
-                                  ring.cfg, _block_masks(ring, causal, qc, kc))[:3]
-  if case == LOWER:
-    dk, dv = _pad_seq(dk, 0, c, 1), _pad_seq(dv, 0, c, 1)
-  elif case == UPPER:
-    dq = _pad_seq(dq, c, 0, 1)
-  return dq.astype(acc), dk.astype(acc), dv.astype(acc)
+  dq_s, dk_s, dv_s = ring.impl.backward(qc["q"], kc["k"], kc["v"], out, lse, dout, dlse,
+                                        ring.cfg, _block_masks(ring, causal, qc, kc))[:3]
+  add = lambda acc, x, start: lax.dynamic_update_slice_in_dim(
+      acc, lax.dynamic_slice_in_dim(acc, start, x.shape[1], axis=1) + x.astype(acc.dtype),
+      start, axis=1)
+  if case == LOWER:  # the first key chunk only
+    return dq + dq_s.astype(dq.dtype), add(dk, dk_s, 0), add(dv, dv_s, 0)
+  if case == UPPER:  # the last query chunk only
+    return add(dq, dq_s, c), dk + dk_s.astype(dk.dtype), dv + dv_s.astype(dv.dtype)
+  return dq + dq_s.astype(dq.dtype), dk + dk_s.astype(dk.dtype), dv + dv_s.astype(dv.dtype)
 
 
 def _dispatch(ring: _Ring, fn, cases, case, *args):
@@ -371,19 +377,24 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg, q_len, kv_len):
   qs, kv = _sides(q, k, v, q_seg, kv_seg, q_len, kv_len)
   # Step 0 is the own block (the diagonal when causal). Its send is issued first.
   nxt = ppermute(kv) if ring.size > 1 else kv
-  o, l = _block_forward(ring, DIAG if ring.is_causal else FULL, qs, kv)
+  own = DIAG if ring.is_causal else FULL
+  qc, kc, causal = _block_call(own, qs, kv)
+  o, l = ring.impl.forward(qc["q"], kc["k"], kc["v"], ring.cfg,
+                           _block_masks(ring, causal, qc, kc))
+  acc = stat_dtype(q.dtype)
+  o, l = o.astype(acc), l.astype(acc)
 
   def step(carry, s):
     o, l, kv = carry
     nxt = ppermute(kv)  # the next block's transfer, independent of this step's compute
-    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, s), qs, kv)
-    return (*_merge(o, l, o2, l2), nxt), None
+    o, l = _dispatch(ring, _block_forward, cases, _case_at(ring, s), qs, kv, o, l)
+    return (o, l, nxt), None
 
   if ring.size > 2:
     (o, l, nxt), _ = lax.scan(step, (o, l, nxt), jnp.arange(1, ring.size - 1))
   if ring.size > 1:  # the last block: nothing left to send
-    o2, l2 = _dispatch(ring, _block_forward, cases, _case_at(ring, ring.size - 1), qs, nxt)
-    o, l = _merge(o, l, o2, l2)
+    o, l = _dispatch(ring, _block_forward, cases, _case_at(ring, ring.size - 1), qs, nxt,
+                     o, l)
   return o.astype(q.dtype), l
 
 
@@ -394,10 +405,14 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse,
   res = (out, lse, dout, dlse)
   qs, kv = _sides(q, k, v, q_seg, kv_seg, q_len, kv_len)
   nxt = ppermute(kv) if ring.size > 1 else kv
-  dq, dk, dv = _block_backward(ring, DIAG if ring.is_causal else FULL, qs, kv, *res)
+  acc = stat_dtype(q.dtype)
+  # The own block's terms start the accumulators (built from the inputs, so they carry
+  # their varying mesh axes).
+  zeros = tuple(jnp.zeros_like(x, acc) for x in (q, k, v))
+  dq, dk, dv = _block_backward(ring, DIAG if ring.is_causal else FULL, qs, kv, res, zeros)
 
-  def contrib(s, kv):
-    return _dispatch(ring, _block_backward, cases, _case_at(ring, s), qs, kv, *res)
+  def contrib(s, kv, grads):
+    return _dispatch(ring, _block_backward, cases, _case_at(ring, s), qs, kv, res, grads)
 
   def step(carry, s):
     dq, kv, dkv = carry
@@ -405,16 +420,15 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, q_len, kv_len, out, lse,
     # The accumulator of the block now held arrives from the previous holder; it is
     # needed only after this step's compute, so its transfer can overlap it too.
     dk, dv = ppermute(dkv)
-    dq_s, dk_s, dv_s = contrib(s, kv)
-    return (dq + dq_s, nxt, (dk + dk_s, dv + dv_s)), None
+    dq, dk, dv = contrib(s, kv, (dq, dk, dv))
+    return (dq, nxt, (dk, dv)), None
 
   if ring.size > 2:
     (dq, nxt, (dk, dv)), _ = lax.scan(step, (dq, nxt, (dk, dv)),
                                        jnp.arange(1, ring.size - 1))
   if ring.size > 1:
     dk, dv = ppermute((dk, dv))
-    dq_s, dk_s, dv_s = contrib(ring.size - 1, nxt)
-    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+    dq, dk, dv = contrib(ring.size - 1, nxt, (dq, dk, dv))
     # The holder of block j after the last step is device j-1: one hop home.
     dk, dv = ppermute((dk, dv))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -556,7 +570,7 @@ def ring_attention(
 
 
 def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
-                           batch_axis: str | None = None, check_vma: bool = False,
+                           batch_axis: str | None = None, check_vma: bool = True,
                            with_segment_ids: bool = False, with_lengths: bool = False,
                            **kwargs):
   """`ring_attention` wrapped in `shard_map` for global `[B, T, N, H]` arrays.
@@ -568,12 +582,9 @@ def sharded_ring_attention(mesh: Mesh, axis_name: str = "sp", *,
   `zigzag_permute` first for "zigzag"). `kwargs` go to `ring_attention` (`layout` among
   them: it has no default).
 
-  `check_vma` (shard_map's varying-manual-axes type check) is off by default: the
-  outputs of a `pallas_call` (the "pallas" and "mosaic_gpu" kernels, the GPU defaults)
-  are declared by shape and dtype only, with no varying mesh axes, which the checker
-  rejects. The ring itself and "xla_chunked" type-check under it (tested): "xla_chunked"
-  builds its scan carries from q (`zeros_like`/`full_like`), so they vary over the same
-  mesh axes as q.
+  `check_vma` is shard_map's varying-manual-axes type check, on as in `jax.shard_map`:
+  every implementation's outputs state the mesh axes they vary over (the kernels' output
+  types carry their operands' varying axes).
   """
   spec = sequence_spec(axis_name, batch_axis)
   out_specs = (spec, lse_spec(axis_name, batch_axis)) if kwargs.get(
