@@ -1,5 +1,6 @@
 """Decoder-LM training pieces shared by seq_scaling.py, train_lm.py and the tests:
-functional train step (nnx.split + optax), data that needs no download, checkpoints.
+functional train step (nnx.split + optax), the training mesh (data x fsdp), data that
+needs no download, checkpoints.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jflash.nn import DecoderLM, LMConfig
 
@@ -62,6 +64,62 @@ def make_train_step(graphdef, tx, donate: bool = True):
 
 def make_eval_loss(graphdef):
   return jax.jit(lambda params, t, y, w: loss_fn(params, graphdef, t, y, w))
+
+
+# -- the training mesh ---------------------------------------------------------------
+# data: replicas that split the batch. fsdp: devices that split the batch too and hold
+# one slice of every weight each (ZeRO-3 / FSDP): jit gathers a weight where it is used
+# and reduce-scatters its gradient. Attention runs on each device's batch shard
+# (jflash.sharding), with no collective.
+MESH_AXES = ("data", "fsdp")
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """`"data=2,fsdp=4"` -> {"data": 2, "fsdp": 4}; ValueError names a bad entry."""
+  axes = {}
+  for item in spec.split(","):
+    name, _, size = item.partition("=")
+    if name == "seq":
+      raise NotImplementedError(
+          "--mesh seq=...: a sharded sequence is ring attention inside shard_map "
+          "(jflash.parallel, LMConfig.context_parallel_axis), which this training loop "
+          "does not run; shard data and fsdp")
+    if name not in MESH_AXES or not size.isdigit() or int(size) < 1 or name in axes:
+      raise ValueError(f"--mesh entry {item!r} must be <axis>=<size> with axis one of "
+                       f"{MESH_AXES} (each once) and size >= 1, in {spec!r}")
+    axes[name] = int(size)
+  n = int(np.prod(list(axes.values())))
+  if n > jax.device_count():
+    raise ValueError(f"--mesh {spec!r} needs {n} devices, {jax.device_count()} are present")
+  return axes
+
+
+def make_mesh(axes: dict[str, int]) -> Mesh:
+  """The data x fsdp mesh (Auto axes: jit places what the shardings below leave open)."""
+  shape = tuple(axes.get(a, 1) for a in MESH_AXES)
+  devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sequences over every axis: data and fsdp both split the batch."""
+  return NamedSharding(mesh, PartitionSpec(MESH_AXES))
+
+
+def param_sharding(x, mesh: Mesh) -> NamedSharding:
+  """One weight's FSDP sharding: its largest axis that fsdp divides, over fsdp (so
+  each device holds 1/fsdp of it); a weight no axis of which it divides is replicated."""
+  n = mesh.shape["fsdp"]
+  fits = [i for i in np.argsort(x.shape)[::-1] if n > 1 and x.shape[i] % n == 0]
+  spec = [None] * x.ndim
+  if fits:
+    spec[fits[0]] = "fsdp"
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def shard_params(params, mesh: Mesh):
+  return jax.device_put(params, jax.tree_util.tree_map(lambda x: param_sharding(x, mesh),
+                                                       params))
 
 
 # -- data ------------------------------------------------------------------------------

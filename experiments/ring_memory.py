@@ -18,10 +18,19 @@ order, attention = `jflash.parallel.ring_attention`). Reported per length:
     gradients are compared with the unsharded ones (they must agree to float32
     rounding).
 
+With `--op`, the attention op alone instead: forward + backward (`jax.vjp`) of
+`jflash.attention` on one device against `jflash.parallel.sharded_ring_attention` with
+the sequence over P = 2 and 4 devices (zigzag layout), causal and not, per length: the
+compiled bytes per device (arguments + outputs + temporaries) and their ratio to one
+device's. Ideal is 1/P; the ring's own buffers (two key/value blocks in flight, the
+float32 running output and the dQ/dK/dV accumulators, the dK/dV ones in flight) add to
+it.
+
 CPU "devices" here share one host's memory and cores, so times say nothing about
 real interconnects; memory and bytes are what this script is for.
 
-  python -m experiments.ring_memory --out-dir experiments/results   # ring_memory_cpu.json
+  python -m experiments.ring_memory --out-dir experiments/results        # ring_memory_cpu.json
+  python -m experiments.ring_memory --op --out-dir experiments/results   # ring_memory_op_cpu.json
 """
 from __future__ import annotations
 
@@ -75,7 +84,15 @@ def parse_args(argv=None):
                       "[T, block_k] tile is kept); off by default because unrolled blocks "
                       "compile to less temporary memory here (measured unsharded at "
                       "T=8192: 213 MiB unrolled, 292 MiB scanned)")
-  p.add_argument("--out", default="ring_memory_cpu", help="<out-dir>/<out>.json")
+  p.add_argument("--op", action="store_true",
+                 help="the attention op alone (fwd + bwd) at --op-devices, not the LM step")
+  p.add_argument("--op-devices", default="2,4", help="ring sizes P for --op")
+  p.add_argument("--op-seq-lens", default="4096,8192", help="global lengths for --op")
+  p.add_argument("--dtype", default="bfloat16", help="--op inputs' dtype")
+  p.add_argument("--op-head-dim", type=int, default=64, help="--op head_dim")
+  p.add_argument("--out", default=None,
+                 help="<out-dir>/<out>.json; default ring_memory_cpu, with --op "
+                      "ring_memory_op_cpu")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="default experiments/results/local; experiments/results: the committed one")
   return p.parse_args(argv)
@@ -230,8 +247,60 @@ def run_length(args, mesh, seq_len):
   return row
 
 
+def op_rows(args):
+  """Per-device compiled memory of the attention op, one device against the ring."""
+  import functools
+  import jflash
+
+  def fwd_bwd(attn):
+    def f(q, k, v, do):
+      out, vjp = jax.vjp(attn, q, k, v)
+      return (out, *vjp(do))
+    return f
+
+  B, N, K, H = args.batch, args.heads, args.kv_heads, args.op_head_dim
+  dtype = jnp.dtype(args.dtype)
+  rows = []
+  for T in (int(x) for x in args.op_seq_lens.split(",")):
+    rng = np.random.default_rng(T)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+    q, k, v, do = mk(B, T, N, H), mk(B, T, K, H), mk(B, T, K, H), mk(B, T, N, H)
+    for causal in (True, False):
+      one = compiled_memory(fwd_bwd(functools.partial(
+          jflash.attention, is_causal=causal, implementation=args.implementation)),
+          q, k, v, do)
+      row = {"seq_len": T, "causal": causal, "memory_one_device": one, "ring": {}}
+      for P in (int(x) for x in args.op_devices.split(",")):
+        mesh = parallel.make_mesh(P, AXIS)
+        ring = fwd_bwd(parallel.sharded_ring_attention(
+            mesh, AXIS, is_causal=causal, layout="zigzag",
+            implementation=args.implementation))
+        shard = jax.sharding.NamedSharding(mesh, PartitionSpec(None, AXIS))
+        per = compiled_memory(ring, *(jax.device_put(x, shard) for x in (q, k, v, do)))
+        row["ring"][str(P)] = {"memory_per_device": per, "ratio_total_bytes": round(
+            per["total_bytes"] / one["total_bytes"], 3)}
+        print(f"T={T:6d} causal={causal!s:5}  one device {one['total_bytes'] / 2**20:8.2f} MiB"
+              f"  P={P}: {per['total_bytes'] / 2**20:8.2f} MiB per device"
+              f" ({row['ring'][str(P)]['ratio_total_bytes']:.3f}x)", flush=True)
+      rows.append(row)
+  return rows
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.op:
+    rows = op_rows(args)
+    cfg = vars(args) | {"shape": {"B": args.batch, "N": args.heads, "K": args.kv_heads,
+                                  "H": args.op_head_dim}}
+    notes = {"devices": "fake CPU devices of one host (XLA_FLAGS "
+                        "--xla_force_host_platform_device_count): XLA's per-device "
+                        "compiled allocation",
+             "total_bytes": "arguments + outputs + temporaries - aliases "
+                            "(experiments.common.compile_with_memory)"}
+    path = write_result(args.out or "ring_memory_op_cpu", cfg, rows,
+                        extra={"notes": notes}, out_dir=args.out_dir)
+    print(f"wrote {path}")
+    return
   if jax.device_count() < args.devices:
     raise SystemExit(f"need {args.devices} devices, have {jax.device_count()}: set "
                      f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices} "
@@ -257,7 +326,8 @@ def main(argv=None):
                                "scan bodies times their length; ppermute = the ring, "
                                "psum = the replicated parameters' gradient all-reduce",
   }
-  path = write_result(args.out, cfg, rows, extra={"notes": notes}, out_dir=args.out_dir)
+  path = write_result(args.out or "ring_memory_cpu", cfg, rows, extra={"notes": notes},
+                      out_dir=args.out_dir)
   print(f"wrote {path}")
 
 

@@ -8,6 +8,10 @@ Tasks, no downloads:
   text    character (byte) level LM on text files on disk (default: this repository's
           .md/.py files), validation on the held-out last 10%.
 
+With --mesh (e.g. data=2,fsdp=4) the step runs on that many devices: the batch split
+over both axes, every weight and its Adam state split over fsdp (`lm_common.
+param_sharding`); the losses are the single device's up to float32 rounding.
+
 Optax AdamW with warm-up + cosine decay. Checkpoints every --ckpt-every steps (orbax
 when installed, else flax msgpack) under --ckpt-dir/<task>_<impl>/; --resume continues
 from the latest, loss history and data-stream state included.
@@ -27,10 +31,11 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import common
-from experiments.lm_common import (REPO, TextData, copy_batch, init_model, latest_checkpoint,
-                                   make_eval_loss, make_optimizer, make_train_step,
+from experiments.lm_common import (REPO, TextData, batch_sharding, copy_batch, init_model,
+                                   latest_checkpoint, make_eval_loss, make_mesh,
+                                   make_optimizer, make_train_step, parse_mesh,
                                    recall_batch, restore_checkpoint, save_checkpoint,
-                                   text_corpus)
+                                   shard_params, text_corpus)
 from experiments.scaling_common import IMPLEMENTATIONS, load_average, setup_matplotlib
 from jflash.nn import LMConfig, lm_flops_per_token
 
@@ -77,6 +82,9 @@ def parse_args(argv=None):
       ("synthetic_vocab", int, "vocabulary of copy/recall (small: learnable in minutes)")])
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="per-block jax.checkpoint (default: preset)")
+  p.add_argument("--mesh", default=None,
+                 help="devices as data=D,fsdp=F (batch over both, weights over fsdp); "
+                      "default: one device")
   args = p.parse_args(argv)
   common.apply_preset(args, PRESETS, "h200")
   if args.ckpt_dir is None:
@@ -128,6 +136,12 @@ def train_one(task, label, args, corpus=None):
                  attention_implementation=IMPLEMENTATIONS.get(label, label),
                  remat=args.remat, dtype=args.dtype)
   graphdef, params = init_model(cfg, args.seed)
+  mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
+  place = lambda batch: batch
+  if mesh is not None:
+    params = shard_params(params, mesh)  # the Adam state below takes the same shardings
+    place = lambda batch: jax.device_put(batch, batch_sharding(mesh))
+    data.eval_set = [place(b) for b in data.eval_set]
   tx = make_optimizer(args.lr, args.steps, args.warmup)
   opt_state = tx.init(params)
   step_fn = make_train_step(graphdef, tx)
@@ -147,7 +161,7 @@ def train_one(task, label, args, corpus=None):
   t_train, tokens = 0.0, 0
   bar = tqdm(range(start, args.steps), desc=f"{task}/{label}", unit="step", leave=False)
   for step in bar:
-    x, y, w = data.next()
+    x, y, w = place(data.next())
     t0 = time.perf_counter()
     params, opt_state, loss = step_fn(params, opt_state, x, y, w)
     loss = float(loss)                       # waits for the step
@@ -167,7 +181,7 @@ def train_one(task, label, args, corpus=None):
                       {"history": hist, "data_rng": data.rng.bit_generator.state,
                        "config": dataclasses.asdict(cfg), "task": task, "impl": label})
   tok_s = tokens / t_train if t_train > 0 else None
-  return {"task": task, "impl": label, "config": dataclasses.asdict(cfg),
+  return {"task": task, "impl": label, "config": dataclasses.asdict(cfg), "mesh": args.mesh,
           "chance_loss": data.chance, "history": hist,
           "final_train_loss": hist["train_loss"][-1] if hist["train_loss"] else None,
           "final_eval_loss": hist["eval_loss"][-1] if hist["eval_loss"] else None,

@@ -154,8 +154,8 @@ def _plan(layout: _Layout, specs, axis_sizes: dict[str, int]) -> _Plan:
   if (batch or heads) and layout.dropout:
     raise NotImplementedError(
         "dropout with batch or heads sharded: the keep mask hashes global batch and "
-        "head indices, which a shard does not know; shard the sequence with "
-        "jflash.parallel or train without attention dropout")
+        "head indices, which a shard does not know; keep batch and heads unsharded "
+        "for attention dropout, or train without it")
   want = {"b": batch, "n": heads, "k": kv_heads}
   for i, (spec, roles) in enumerate(zip(specs, layout.operands)):
     for axes, role in zip(spec, roles):

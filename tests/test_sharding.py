@@ -1,5 +1,6 @@
 """`jflash.attention` under `jax.jit` with sharded batch and heads (`jflash.sharding`),
-and inside `shard_map` with `check_vma=True`, on 4 CPU devices.
+and inside `shard_map` with `check_vma=True`, on 4 CPU devices; the decoder LM trained
+on a data x fsdp mesh of 8 CPU devices (`experiments.train_lm --mesh`).
 
 As in test_parallel.py, one subprocess (this file run with `--worker`) starts jax with
 4 host devices, computes every case once and prints the results as JSON; each test
@@ -9,7 +10,9 @@ the errors against a float64 NumPy truth.
 
 Tolerance rule (float32): a sharded call's error against the float64 truth is at most
 twice the error of the same implementation on one device, plus a floor of 4 float32
-ulps of the largest true value.
+ulps of the largest true value. The LM's losses on the mesh differ from one device's
+by at most twice the largest gap between standard and flash attention on one device
+(a same-dtype change of summation order), plus 4 float32 ulps of the loss.
 """
 from __future__ import annotations
 
@@ -231,6 +234,25 @@ def _worker():
   print(RESULT_MARK + json.dumps(cases))
 
 
+LM_DEVICES = 8
+LM_MESH = "data=2,fsdp=4"
+
+
+def _lm_worker(out_dir):
+  """train_lm on one device (standard and flash) and on the mesh (flash)."""
+  import jax
+  assert jax.device_count() == LM_DEVICES, jax.devices()
+  from experiments import train_lm
+  args = ["--tiny", "--batch", "8", "--steps", "3", "--ckpt-every", "100"]
+  losses = {}
+  for name, extra in (("one", ["--impls", "standard,jflash"]),
+                      ("mesh", ["--impls", "jflash", "--mesh", LM_MESH])):
+    path = train_lm.main(args + extra + ["--out-dir", str(Path(out_dir) / name)])
+    for row in json.loads(Path(path).read_text())["rows"]:
+      losses[f"{name}-{row['impl']}"] = row["history"]["train_loss"]
+  print(RESULT_MARK + json.dumps(losses))
+
+
 def _guarded(fn):
   try:
     return {"ok": True, **fn()}
@@ -240,20 +262,24 @@ def _guarded(fn):
 
 # -- the tests -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def results():
+def _run_worker(devices, *argv):
   env = dict(os.environ)
   # The device count must be set before jax starts, last (XLA takes a flag's last value).
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+                      f" --xla_force_host_platform_device_count={devices}").strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, cwd=ROOT,
+  proc = subprocess.run([sys.executable, __file__, *argv], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_MARK)]
   if proc.returncode or not lines:
-    pytest.fail(f"sharding worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    pytest.fail(f"worker {argv} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
   return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+@pytest.fixture(scope="module")
+def results():
+  return _run_worker(NUM_DEVICES, "--worker")
 
 
 def _check_errors(case, errors):
@@ -323,5 +349,19 @@ def test_dropout_with_sharded_batch_is_refused(results):
   assert err["type"] == "NotImplementedError" and "dropout" in err["message"], err
 
 
+def test_lm_on_a_data_fsdp_mesh_matches_one_device(tmp_path):
+  losses = _run_worker(LM_DEVICES, "--lm-worker", str(tmp_path))
+  one, mesh, standard = (np.asarray(losses[k]) for k in ("one-jflash", "mesh-jflash",
+                                                        "one-standard"))
+  assert len(mesh) == len(one) == 3, losses
+  eps = float(np.finfo(np.float32).eps)
+  allow = 2 * np.max(np.abs(standard - one)) + 4 * eps * np.max(np.abs(one))
+  assert np.max(np.abs(mesh - one)) <= allow, (
+      f"train_lm --mesh {LM_MESH} losses {mesh.tolist()} vs one device {one.tolist()}: "
+      f"gap {np.max(np.abs(mesh - one)):.3g} > {allow:.3g}")
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
   _worker()
+if __name__ == "__main__" and "--lm-worker" in sys.argv:
+  _lm_worker(sys.argv[sys.argv.index("--lm-worker") + 1])
