@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The newest JAX release needs Python 3.12 (with pyenv: PYENV_VERSION=3.12.1).
+NEWEST_PYTHON ?= python3.12
 
-.PHONY: setup demo test hip report mi50 clean
+.PHONY: setup demo test test-newest wheel-check hip report mi50 clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +28,14 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
+# The suite on the newest JAX in pyproject's range, in its own venv (.venv312).
+test-newest:
+	$(MAKE) test PYTHON=$(NEWEST_PYTHON) VENV=.venv312
+
+# The wheel in a fresh venv with the newest JAX, run from outside the checkout.
+wheel-check:
+	.ci/wheel_check $(NEWEST_PYTHON)
+
 hip: setup
 	$(PY) -m hip_ffi.build
 
@@ -39,4 +49,4 @@ mi50: setup
 	$(PY) -m experiments.hip_check --target rocm
 
 clean:
-	rm -rf $(VENV) hip_ffi/_build .pytest_cache
+	rm -rf $(VENV) .venv312 hip_ffi/_build .pytest_cache build *.egg-info
