@@ -20,7 +20,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
 from experiments import common
 from experiments.scaling_common import (attention_callable, failure, labels_for_backend,
@@ -83,7 +82,7 @@ def main(argv=None):
   rows = []
   seqs = [int(s) for s in args.seqs.split(",")]
   itemsize = jnp.dtype(args.dtype).itemsize
-  for T in tqdm(seqs, desc="bandwidth", unit="seq"):
+  for T in common.progress(seqs, "bandwidth", "seq"):
     shape = (args.batch, T, args.heads, args.head_dim)
     q, k, v, do = random_arrays(args.seed + T, [shape_struct(shape, args.dtype)] * 4)
     one = q.size * itemsize

@@ -19,20 +19,19 @@ to. Targets (specs.TARGETS) are evaluated in the JSON and printed.
   python -m experiments.bench_attention --grids quick,d256,model --impls jflash,cudnn
   python -m experiments.bench_attention --block-sweep         # jflash tiles per kernel
   python -m experiments.bench_attention --report a.json b.json --name merged
-  python -m experiments.bench_attention --quick --cpu-smoke   # tiny, CPU only, for tests
+  python -m experiments.bench_attention --quick --tiny   # smoke run on the CPU (the tests)
 
 Results: <out-dir>/bench_attention_<device>.json (rows, "memory", "resolved", "targets",
 environment and config); the sweep: bench_attention_block_sweep_<device>.json.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
 from pathlib import Path
 
-if "--cpu-smoke" in sys.argv:
+if "--tiny" in sys.argv:
   os.environ["JAX_PLATFORMS"] = "cpu"  # must precede `import jax`; the smoke run never touches a GPU
 
 import jax  # noqa: E402
@@ -52,7 +51,7 @@ def make_runner(args, peers) -> Runner:
 
 
 def jflash_impls(args) -> list[str]:
-  names = args.jflash_impls or ("xla_chunked" if args.cpu_smoke else ",".join(specs.JFLASH_IMPLS))
+  names = args.jflash_impls or ("xla_chunked" if args.tiny else ",".join(specs.JFLASH_IMPLS))
   return [n.strip() for n in names.split(",") if n.strip()]
 
 
@@ -68,7 +67,7 @@ def config_record(args, **extra) -> dict:
 
 
 def grid_cases(args) -> list:
-  if args.cpu_smoke:
+  if args.tiny:
     return list(specs.GRIDS["smoke"])
   names = args.grids.split(",") if args.grids else ["full" if args.full else "quick"]
   cases = []
@@ -83,7 +82,7 @@ def grid_cases(args) -> list:
 
 def run_grid(args):
   impls = jflash_impls(args)
-  peers = peers_mod.make_peers(impls, args.xla_max_seq, smoke=args.cpu_smoke)
+  peers = peers_mod.make_peers(impls, args.xla_max_seq, smoke=args.tiny)
   # jflash "xla_chunked" is the reference of last resort, timed only when asked for.
   timed = [p.label for p in peers.values() if p.name != "jflash" or p.implementation in impls]
   if args.no_torch:
@@ -91,10 +90,10 @@ def run_grid(args):
   labels = peers_mod.select(peers, args.impls, timed)
   cases = grid_cases(args)
   modes = [m for m in specs.MODES if m in args.modes.split(",")]
-  memory = "smoke" if args.cpu_smoke else ("full" if args.full else "quick")
+  memory = "smoke" if args.tiny else ("full" if args.full else "quick")
   common.log(f"{len(cases)} cases x {modes} x {labels} on "
              f"{jax.devices()[0].device_kind} (jax {jax.__version__})")
-  name = args.name or f"bench_attention_{'cpu_smoke' if args.cpu_smoke else common.device_tag()}"
+  name = args.name or f"bench_attention_{'cpu_tiny' if args.tiny else common.device_tag()}"
   resolved = {c.key(): peers_mod.resolved_implementation(c, args.dtype) for c in cases}
   baseline = (report.load_rows([args.baseline])[0]
               if args.baseline and Path(args.baseline).exists() else None)
@@ -118,7 +117,7 @@ def run_grid(args):
   if not args.skip_memory:
     mem_labels = [f"jflash:{impls[0]}"] + [
         n for n in specs.MEMORY_PEERS[1:] if n in peers]
-    heads, d = specs.MEMORY_HEADS["smoke" if args.cpu_smoke else "gpu"]
+    heads, d = specs.MEMORY_HEADS["smoke" if args.tiny else "gpu"]
     mem = memory_rows(peers, mem_labels, specs.MEMORY_SEQS[memory], heads, d, args.dtype,
                       args.time_limit_s)
   path = save(rows, mem)
@@ -132,8 +131,8 @@ def run_grid(args):
 
 def run_block_sweep(args):
   impl = jflash_impls(args)[0]
-  peers = peers_mod.make_peers([impl], args.xla_max_seq, smoke=args.cpu_smoke)
-  if args.cpu_smoke:   # the machinery only
+  peers = peers_mod.make_peers([impl], args.xla_max_seq, smoke=args.tiny)
+  if args.tiny:   # the machinery only
     shapes = specs.SMOKE_SWEEP_SHAPES
     cases = [specs.Case(s, d, False, 2, 2, name="sweep smoke") for d, s in shapes.items()]
   else:
@@ -146,10 +145,10 @@ def run_block_sweep(args):
     cases = [specs.sweep_case(s, d, c) for d, s in shapes.items()
              for c in specs.SWEEP_CAUSALS.get(d, (False, True))]
   rows, best = sweep.run_sweep(make_runner(args, peers), impl, cases, args.sweep_passes,
-                               args.sweep_budget_s, smoke=args.cpu_smoke)
+                               args.sweep_budget_s, smoke=args.tiny)
   sweep.print_best(best)
   name = args.name or ("bench_attention_block_sweep_"
-                       + ("cpu_smoke" if args.cpu_smoke else common.device_tag()))
+                       + ("cpu_tiny" if args.tiny else common.device_tag()))
   extra = {"best": best, "shapes": {str(d): s for d, s in shapes.items()}}
   path = report.save(name, config_record(args, jflash_sweep_impl=impl), rows, args.out_dir, extra)
   common.log(f"wrote {path}")
@@ -176,8 +175,7 @@ def run_report(args):
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = common.parser(__doc__)
   what = p.add_mutually_exclusive_group()
   what.add_argument("--quick", action="store_true", help="the five FA-2 cells and memory (default)")
   what.add_argument("--full", action="store_true", help="the whole FA-2 grid and memory")
@@ -186,8 +184,7 @@ def parse_args(argv=None):
                     help="time jflash over tile candidates; best per (d, causal, pass)")
   what.add_argument("--report", nargs="+", default=None,
                     help="result JSONs to join: targets and tables over all their rows")
-  p.add_argument("--cpu-smoke", action="store_true",
-                 help="tiny shapes on the CPU, jflash 'xla_chunked' against 'xla' (for tests)")
+  common.add_tiny(p, "tiny shapes, jflash 'xla_chunked' against 'xla'")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="where the JSON goes (experiments/results: the committed results)")
   p.add_argument("--name", default=None, help="JSON file stem (default bench_attention_<device>"
@@ -199,7 +196,7 @@ def parse_args(argv=None):
   p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch SDPA peers")
   p.add_argument("--jflash-impls", default=None,
                  help="jflash implementations timed, comma-separated (default "
-                      f"{','.join(specs.JFLASH_IMPLS)}; --cpu-smoke: xla_chunked); the sweep: the first")
+                      f"{','.join(specs.JFLASH_IMPLS)}; --tiny: xla_chunked); the sweep: the first")
   p.add_argument("--seqs", type=int, nargs="+", default=None, help="--full: these seqs only")
   p.add_argument("--head-dims", type=int, nargs="+", default=None,
                  help="--full / --block-sweep: these head dims only")
@@ -219,7 +216,7 @@ def parse_args(argv=None):
                  help="calls not started this many seconds after start are skipped "
                       "(the JSON is still written)")
   args = p.parse_args(argv)
-  if args.cpu_smoke:
+  if args.tiny:
     smoke_timing(args)
     args.sweep_budget_s = min(args.sweep_budget_s, 60)
   return args

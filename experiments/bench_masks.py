@@ -21,7 +21,7 @@ TF/s compare the useful work; the skipped fraction of each case is in the JSON
 ("visible_fraction", "jflash_tile_fraction"). Checking and timing: experiments/bench/runner.py.
 
   python -m experiments.bench_masks               # H200: < 3 minutes
-  python -m experiments.bench_masks --cpu-smoke   # tiny, CPU, "xla_chunked" against "xla" (tests)
+  python -m experiments.bench_masks --tiny   # smoke run on the CPU (the tests)
 
 Results: <out-dir>/bench_masks_<device>.json: rows {impl, kind, s, window, docs, mode,
 ms, tflops, rel_err, status, ...}, "ratios" (peer ms / jflash ms: > 1 means jflash
@@ -29,13 +29,12 @@ is faster), "cases", environment and config.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
 import sys
 
-if "--cpu-smoke" in sys.argv:
+if "--tiny" in sys.argv:
   os.environ["JAX_PLATFORMS"] = "cpu"  # must precede `import jax`; the smoke run never touches a GPU
 
 import jax  # noqa: E402
@@ -181,10 +180,10 @@ def _jax_nn(implementation):
 
 
 def make_peers(args) -> dict[str, Peer]:
-  impl = "xla_chunked" if args.cpu_smoke else args.jflash_impl
+  impl = "xla_chunked" if args.tiny else args.jflash_impl
   peers = [jflash_peer(impl, _jflash(impl)), Peer("xla", _jax_nn("xla"), max_seq=args.xla_max_seq,
                                                   skip_reason=f"seq > --xla-max-seq={args.xla_max_seq}: T x S logits")]
-  if not args.cpu_smoke:
+  if not args.tiny:
     peers.insert(1, Peer("cudnn", _jax_nn("cudnn")))
   if impl != "xla_chunked":  # not timed; the reference of last resort
     peers.append(jflash_peer("xla_chunked", _jflash("xla_chunked")))
@@ -221,10 +220,8 @@ def config_record(args) -> dict:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cpu-smoke", action="store_true",
-                 help="tiny shapes on the CPU, jflash 'xla_chunked' against 'xla' (for tests)")
+  p = common.parser(__doc__)
+  common.add_tiny(p, "tiny shapes, jflash 'xla_chunked' against 'xla'")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="where the JSON goes (experiments/results: the committed results)")
   p.add_argument("--name", default=None, help="JSON file stem (default bench_masks_<device>)")
@@ -240,7 +237,7 @@ def parse_args(argv=None):
   p.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S,
                  help="calls not started by then are skipped (the JSON is still written)")
   args = p.parse_args(argv)
-  if args.cpu_smoke:
+  if args.tiny:
     smoke_timing(args)
   return args
 
@@ -248,16 +245,16 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   peers = make_peers(args)
-  timed = [n for n in peers if n != "jflash:xla_chunked" or args.cpu_smoke]
+  timed = [n for n in peers if n != "jflash:xla_chunked" or args.tiny]
   labels = select(peers, args.impls, timed)
   kinds = set(args.kinds.split(","))
-  cases = [make_case(kind, s, param, args.cpu_smoke)
-           for kind, s, param in (SMOKE_CASES if args.cpu_smoke else CASES)
+  cases = [make_case(kind, s, param, args.tiny)
+           for kind, s, param in (SMOKE_CASES if args.tiny else CASES)
            if kind in kinds and (args.seqs is None or s in args.seqs)]
   modes = [m for m in MODES if m in args.modes.split(",")]
   common.log(f"{len(cases)} mask cases x {modes} x {labels} on {jax.devices()[0].device_kind} "
              f"(jax {jax.__version__})")
-  name = args.name or f"bench_masks_{'cpu_smoke' if args.cpu_smoke else common.device_tag()}"
+  name = args.name or f"bench_masks_{'cpu_tiny' if args.tiny else common.device_tag()}"
   case_info = []
   for c in cases:
     info = dict(dataclasses.asdict(c), key=c.key(),

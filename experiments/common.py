@@ -24,13 +24,36 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "local"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+  """The description as written; each option's default shown once: appended unless its
+  help already states it, or there is none to show (None, a flag's False)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text or action.default in (None, False):
+      return text
+    return super()._get_help_string(action)
+
+
+def parser(doc: str, whole: bool = False) -> argparse.ArgumentParser:
+  """An experiment's parser, described by its docstring's first paragraph (`whole`: all
+  of it, usage lines included)."""
+  return argparse.ArgumentParser(description=doc if whole else doc.split("\n\n")[0],
+                                 formatter_class=_HelpFormatter)
+
+
+def add_tiny(p: argparse.ArgumentParser, what: str):
+  """--tiny, every experiment's smoke run (seconds on a CPU; the tests run it)."""
+  p.add_argument("--tiny", action="store_true", help=f"smoke run on the CPU: {what}")
+
+
 def preset_parser(doc: str, presets: dict, preset_help: str) -> argparse.ArgumentParser:
-  """An experiment's parser, described by its docstring's first paragraph, with
-  --preset (auto or one of `presets`) and --tiny; see `apply_preset`."""
-  p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  """An experiment's parser with --preset (auto or one of `presets`) and --tiny; see
+  `apply_preset`."""
+  p = parser(doc)
   p.add_argument("--preset", choices=["auto", *presets], default="auto", help=preset_help)
-  p.add_argument("--tiny", action="store_true", help="same as --preset tiny (tests)")
+  add_tiny(p, "same as --preset tiny")
   return p
 
 
@@ -38,7 +61,7 @@ def add_preset_options(p: argparse.ArgumentParser, options):
   """One --option per (name, type, why) whose default (None) comes from the preset."""
   for name, typ, why in options:
     p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                   help=why + " (default: preset)")
+                   help=why + " (default: the preset's)")
 
 
 def apply_preset(args, presets: dict, gpu_preset: str):
@@ -98,6 +121,49 @@ def elapsed() -> float:
 
 def log(msg: str):
   print(f"[{elapsed():7.1f}s] {msg}", flush=True)
+
+
+class _Lines:
+  """`progress` where stderr is no terminal (a log file, CI): one line per finished
+  step, at most one every LINE_S seconds, and the last; a bar's carriage returns would
+  pile up on one line there."""
+  LINE_S = 10.0
+
+  def __init__(self, iterable, desc):
+    self.iterable, self.desc, self.postfix = iterable, desc, ""
+    self.total = len(iterable) if hasattr(iterable, "__len__") else None
+
+  def __iter__(self):
+    start = last = time.perf_counter()
+    i = 0
+    for i, item in enumerate(self.iterable, 1):
+      yield item
+      now = time.perf_counter()
+      if now - last >= self.LINE_S or i == self.total:
+        last = now
+        of = f"/{self.total}" if self.total is not None else ""
+        print(f"{self.desc}: {i}{of} {self.postfix} [{now - start:.0f} s]".rstrip(),
+              file=sys.stderr, flush=True)
+
+  def set_postfix_str(self, text: str):
+    self.postfix = text
+
+  def set_postfix(self, **values):
+    self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def progress(iterable, desc: str, unit: str, leave: bool = True):
+  """A tqdm bar over `iterable` on a terminal, plain lines elsewhere (`_Lines`)."""
+  if not sys.stderr.isatty():
+    return _Lines(iterable, desc)
+  from tqdm import tqdm
+  return tqdm(iterable, desc=desc, unit=unit, leave=leave)
+
+
+def note(msg: str):
+  """A line printed beside a progress bar without breaking it."""
+  from tqdm import tqdm
+  tqdm.write(msg)
 
 
 # -- FLOPs ---------------------------------------------------------------------------

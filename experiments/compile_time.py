@@ -55,8 +55,7 @@ def measure(B: int, S: int, N: int, H: int, causal: bool, implementation: str,
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = common.parser(__doc__)
   p.add_argument("--shape", default="4,4096,8,256", help="B,S,N,H (T = S, K = N)")
   p.add_argument("--causal", action="store_true")
   p.add_argument("--implementation", default="mosaic_gpu")
@@ -67,8 +66,7 @@ def parse_args(argv=None):
   p.add_argument("--timeout-s", type=float, default=120.0, help="per process")
   p.add_argument("--out-dir", default=common.DEFAULT_OUT)
   p.add_argument("--name", default="compile_time")
-  p.add_argument("--tiny", action="store_true",
-                 help="tests: --shape 1,64,2,32 on xla_chunked (runs on a CPU)")
+  common.add_tiny(p, "--shape 1,64,2,32 on xla_chunked")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.tiny:

@@ -4,6 +4,7 @@
                                                 #   then timing -> results/hip_<target>_<device>.json
   python -m experiments.hip_check --timing      # timing only (MI50 owners: `make mi50`)
   python -m experiments.hip_check --quick       # a smaller grid, smaller timing shapes
+  python -m experiments.hip_check --tiny        # smoke run on the CPU emulation
 
 The kernel source is one file for hipcc (gfx906, the product) and nvcc (sm_90, how its
 logic is run on NVIDIA hardware). Correctness goes through `jflash.attention(...,
@@ -21,7 +22,6 @@ compile error (printing the compiler's output), a missing device, or a failed ca
 """
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import statistics
@@ -36,6 +36,7 @@ import numpy as np
 
 import hip_ffi
 import jflash
+from experiments import common
 from experiments.common import attention_flops, block, device_tag, is_oom, write_result
 from hip_ffi import build
 from jflash.reference import error_floor
@@ -73,8 +74,7 @@ BENCH = [
 
 
 def parse_args():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = common.parser(__doc__, whole=True)
   ap.add_argument("--timing", "--bandwidth", dest="timing", action="store_true",
                   help="skip the correctness grid: build, then timing only")
   ap.add_argument("--no-timing", action="store_true", help="correctness only")
@@ -84,9 +84,8 @@ def parse_args():
   ap.add_argument("--warmup", type=int, default=10, help="untimed calls (compile, caches)")
   ap.add_argument("--iters", type=int, default=50, help="timed calls: median and p95")
   ap.add_argument("--quick", action="store_true", help="smaller grid and timing shapes")
-  ap.add_argument("--emulate", action="store_true",
-                  help="no GPU: the correctness grid on the CPU emulation of the kernels "
-                  "(a dry run of this script; no handler or timing rows)")
+  common.add_tiny(ap, "a few correctness cases on the kernels' CPU emulation (no GPU, "
+                      "no handler or timing rows)")
   ap.add_argument("--out", default=None, help="result name under experiments/results/ "
                   "(default: hip_<target>_<device> or hip_timing_<target>_<device>)")
   return ap.parse_args()
@@ -143,19 +142,23 @@ def check_case(name, shape, dtype, seed, config=None, **kw):
   return row
 
 
-def correctness_rows(quick: bool):
+def correctness_rows(quick: bool, tiny: bool = False):
+  """The correctness grid; `tiny` (the smoke run): its first shape, float16, and one
+  mask at the smallest head dim."""
   rows, seed = [], 0
-  for dtype in (jnp.float16, jnp.bfloat16):
-    for shape in SHAPES[: 3 if quick else None]:
+  head_dims = hip_ffi.head_dims()[:1] if tiny else hip_ffi.head_dims()
+  masks = {"causal_len_seg": MASKS["causal_len_seg"]} if tiny else MASKS
+  for dtype in (jnp.float16,) if tiny else (jnp.float16, jnp.bfloat16):
+    for shape in SHAPES[:1] if tiny else SHAPES[: 3 if quick else None]:
       for is_causal in (False, True):
         seed += 4
         rows.append(check_case("grid", shape, dtype, seed, is_causal=is_causal))
-    for H in hip_ffi.head_dims():
-      for mask, kw in MASKS.items():
+    for H in head_dims:
+      for mask, kw in masks.items():
         seed += 4
         rows.append(check_case(f"mask_{mask}", (2, 300, 300, 4, 2 if H == 64 else 1, H),
                                dtype, seed, **kw))
-  for H in hip_ffi.head_dims():
+  for H in head_dims:
     bq, bk, _ = hip_ffi.tile_table()[H][1]
     rows.append(check_case("tile1", (1, 203, 113, 4, 2, H), jnp.float16, 90 + H, is_causal=True,
                            config=jflash.HipConfig(bq, bk)))
@@ -292,9 +295,9 @@ def timing_rows(args):
 
 def main():
   args = parse_args()
-  if args.emulate:
+  if args.tiny:
     with hip_ffi.emulated():
-      rows = correctness_rows(args.quick)
+      rows = correctness_rows(quick=True, tiny=True)
     failed = [r for r in rows if not r.get("ok")]
     print(f"emulated: {len(rows)} cases, {len(failed)} failed", flush=True)
     return 1 if failed else 0

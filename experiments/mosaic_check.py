@@ -33,11 +33,10 @@ divide (listed under "left_out" in the result).
   python -m experiments.mosaic_check --backward                    # on an H100/H200
   python -m experiments.mosaic_check --backward --backward-configs \
       '[{"backward_fused_dq": true}, {"backward_fused_dq": true, "backward_consumers": 2}]'
-  python -m experiments.mosaic_check --backward --dry-run-cpu      # tiny, interpreted
+  python -m experiments.mosaic_check --backward --tiny                 # smoke run on the CPU
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -780,7 +779,7 @@ def main_backward(args):
   peers = [p for p in args.peers.split(",") if p]
   if unknown := set(peers) - {"cudnn", "pallas"}:
     raise ValueError(f"--peers {sorted(unknown)}: the backward's peers are cudnn and pallas")
-  if args.dry_run_cpu:
+  if args.tiny:
     return dry_run_cpu(variants)
   name = args.name
   if name == "mosaic_check_h200":      # the default: the default backward's own
@@ -808,7 +807,7 @@ def main_backward(args):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = common.parser(__doc__)
   p.add_argument("--out-dir", default=None, help="where the JSON goes (default experiments/results)")
   p.add_argument("--name", default="mosaic_check_h200")
   p.add_argument("--no-check", action="store_true", help="skip the correctness cases")
@@ -838,8 +837,7 @@ def main(argv=None):
                  help="with --backward: a JSON list of MosaicGPUConfig backward fields, "
                       "each checked and timed, e.g. "
                       '\'[{"backward_consumers": 2, "backward_fused_dq": true}]\'')
-  p.add_argument("--dry-run-cpu", action="store_true",
-                 help="with --backward: tiny interpreted checks on a CPU (tests this script)")
+  common.add_tiny(p, "with --backward, small interpreted checks")
   args = p.parse_args(argv)
   cell_patterns(args.cells)      # a bad pattern fails here, before any device time
   if args.backward:

@@ -24,7 +24,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import jflash
 from experiments import common
@@ -100,7 +99,7 @@ def main(argv=None):
   rng = np.random.default_rng(args.seed)
   rows = []
   jobs = [(T, kind) for T in seqs for kind in kinds]
-  for T, kind in tqdm(jobs, desc="numerics", unit="case"):
+  for T, kind in common.progress(jobs, "numerics", "case"):
     q64, k64, v64, scale = make_inputs(kind, T, args.heads, args.head_dim, rng)
     for dt in dtypes:
       # Round the inputs to the dtype under test once; every reference sees the same

@@ -17,7 +17,6 @@ tiles, causal and not.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from experiments import common
 from experiments.common import write_result
 from jflash.reference import error_floor, max_err
 
@@ -121,7 +121,7 @@ def model_cases(seq, gqa_seq, heads):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = common.parser(__doc__, whole=True)
   gpu = jax.default_backend() == "gpu"
   p.add_argument("--preset", choices=("fa2", "model", "all"), default="all")
   p.add_argument("--seq", type=int, default=None,
@@ -133,8 +133,15 @@ def main(argv=None):
   p.add_argument("--head-dims", type=int, nargs="+", default=None,
                  help="only the cases of these head dims")
   p.add_argument("--out-dir", default=None, help="where the JSON goes (default experiments/results)")
-  p.add_argument("--name", default=f"pallas_check_{'h200' if gpu else 'cpu'}")
+  p.add_argument("--name", default=None,
+                 help="JSON file stem (default pallas_check_h200 on a GPU, pallas_check_cpu, "
+                      "pallas_check_cpu_tiny)")
+  common.add_tiny(p, "the FlashAttention-2 grid's d = 64 cases at T = S = 32")
   args = p.parse_args(argv)
+  if args.tiny:
+    args.preset, args.seq, args.head_dims = "fa2", 32, [64]
+  if args.name is None:
+    args.name = f"pallas_check_{'h200' if gpu else 'cpu'}" + ("_tiny" if args.tiny else "")
   small = None if gpu else 128
   cases = []
   if args.preset in ("fa2", "all"):

@@ -36,7 +36,6 @@ if "--tiny" in sys.argv:  # must precede the first jax import
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=2")
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
@@ -59,8 +58,8 @@ BF16_EPS = 2.0 ** -8
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--tiny", action="store_true", help="tiny sizes on 2 CPU devices (tests)")
+  p = common.parser(__doc__)
+  common.add_tiny(p, "tiny sizes on 2 CPU devices")
   p.add_argument("--implementation", default=None,
                  help="local block implementation (default: GPU pallas, CPU xla_chunked)")
   p.add_argument("--check-seq", type=int, default=4096)

@@ -42,7 +42,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={NUM_DEVICES}")
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 
@@ -62,7 +61,7 @@ AXIS = "sp"
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.parser(__doc__)
   p.add_argument("--devices", type=int, default=NUM_DEVICES, help="ring size P")
   p.add_argument("--seq-lens", default="2048,8192,32768",
                  help="global sequence lengths; multiples of 2P (zigzag chunks)")
@@ -95,7 +94,12 @@ def parse_args(argv=None):
                       "ring_memory_op_cpu")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="default experiments/results/local; experiments/results: the committed one")
-  return p.parse_args(argv)
+  common.add_tiny(p, "T = 64 on a one-layer model, checked")
+  args = p.parse_args(argv)
+  if args.tiny:
+    args.seq_lens, args.check_max, args.layers, args.hidden = "64", 64, 1, 32
+    args.out += "_tiny"
+  return args
 
 
 def lm_config(args, seq_len, axis):

@@ -29,7 +29,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import jflash
 from experiments import common
@@ -145,7 +144,7 @@ def note_stop(stopped, key, row, what):
   """After an oom or error, later (longer) sequences of the same series are skipped."""
   if row["status"] in ("oom", "error"):
     stopped[key] = f"{row['status']} at seq {row['seq']}"
-    tqdm.write(f"  {what}: {row['status']}: {row['error'][:160]}")
+    common.note(f"  {what}: {row['status']}: {row['error'][:160]}")
 
 
 # -- part 1: the attention op ----------------------------------------------------------
@@ -154,7 +153,7 @@ def run_attention(args, labels, budget):
   seqs = _seqs(args.seq_start, args.seq_max)
   rows, stopped = [], {}
   jobs = [(s, l, m) for s in seqs for l in labels for m in ("fwd", "fwd+bwd")]
-  bar = tqdm(jobs, desc="attention", unit="cfg")
+  bar = common.progress(jobs, "attention", "cfg")
   for T, label, mode in bar:
     bar.set_postfix_str(f"{label} {mode} T={T}")
     row = dict(part="attention", impl=label, mode=mode, seq=T, batch=args.batch,
@@ -225,7 +224,7 @@ def run_lm(args, labels, budget):
   jobs += [(T, True, l) for T in ints(args.lm_long_seqs) for l in long]
   rows, stopped = [], {}
   rng = np.random.default_rng(args.seed)
-  bar = tqdm(jobs, desc="lm train step", unit="cfg")
+  bar = common.progress(jobs, "lm train step", "cfg")
   for T, remat, label in bar:
     bar.set_postfix_str(f"{label} T={T}{' remat' if remat else ''}")
     cfg = lm_config(args, label, T, remat)

@@ -19,15 +19,15 @@ ROW_KEYS = {"impl", "s", "d", "causal", "mode", "tflops", "ms", "rel_err"}
 def _run(out_dir, *flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.bench_attention", *flags, "--cpu-smoke", "--out-dir", str(out_dir)],
+      [sys.executable, "-m", "experiments.bench_attention", *flags, "--tiny", "--out-dir", str(out_dir)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
 
-def test_quick_cpu_smoke(tmp_path):
+def test_quick_tiny(tmp_path):
   out = _run(tmp_path, "--quick")
-  data = json.loads((tmp_path / "bench_attention_cpu_smoke.json").read_text())
+  data = json.loads((tmp_path / "bench_attention_cpu_tiny.json").read_text())
   rows = data["rows"]
   assert {r["impl"] for r in rows} == {"jflash", "xla"}
   assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
@@ -44,9 +44,9 @@ def test_quick_cpu_smoke(tmp_path):
   assert "jflash / peer" in out
 
 
-def test_block_sweep_cpu_smoke(tmp_path):
+def test_block_sweep_tiny(tmp_path):
   out = _run(tmp_path, "--block-sweep")
-  data = json.loads((tmp_path / "bench_attention_block_sweep_cpu_smoke.json").read_text())
+  data = json.loads((tmp_path / "bench_attention_block_sweep_cpu_tiny.json").read_text())
   assert {(r["pass_"], r["mode"]) for r in data["rows"]} == {
       ("fwd", "fwd"), ("dkv", "bwd"), ("dq", "bwd")}
   assert all(r["status"] == "ok" for r in data["rows"]), data["rows"]
@@ -64,7 +64,7 @@ def test_unavailable_implementations_are_rows_not_crashes(tmp_path):
   # is not registered. Both become rows saying why; the run goes on and writes its JSON.
   _run(tmp_path, "--quick", "--skip-memory", "--modes", "fwd",
        "--jflash-impls", "xla_chunked,hip,no_such_implementation")
-  data = json.loads((tmp_path / "bench_attention_cpu_smoke.json").read_text())
+  data = json.loads((tmp_path / "bench_attention_cpu_tiny.json").read_text())
   by = {r["peer"]: r for r in data["rows"]}
   assert by["jflash:xla_chunked"]["status"] == "ok"
   assert by["jflash:hip"]["status"] == "unavailable" and "hip" in by["jflash:hip"]["error"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_script(name, out_dir, *extra):
   # (XLA_FLAGS: conftest's compile-time flags, inherited.)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, "-m", f"experiments.{name}", "--tiny", "--out-dir",
        str(out_dir), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -89,7 +90,9 @@ def test_bandwidth_tiny(tmp_path):
 
 
 def test_train_lm_tiny_and_resume(tmp_path):
-  run_script("train_lm", tmp_path)
+  proc = run_script("train_lm", tmp_path)
+  # No terminal here: plain progress lines, not a bar's carriage returns.
+  assert "\r" not in proc.stderr and "text/jflash: 6/6" in proc.stderr, proc.stderr[-2000:]
   res = load(tmp_path, "train_lm_cpu_tiny")
   assert {r["impl"] for r in res["rows"]} == {"standard", "jflash"}
   for r in res["rows"]:
@@ -103,6 +106,57 @@ def test_train_lm_tiny_and_resume(tmp_path):
   row = load(tmp_path, "train_lm_cpu_tiny")["rows"][0]
   assert row["resumed_from"] == 6
   assert row["history"]["step"] == list(range(1, 9))
+
+
+def test_pallas_check_tiny(tmp_path):
+  run_script("pallas_check", tmp_path)
+  rows = load(tmp_path, "pallas_check_cpu_tiny")["rows"]
+  assert len(rows) == 5 and all(r["ok"] for r in rows), rows
+
+
+def test_ring_memory_tiny(tmp_path):
+  run_script("ring_memory", tmp_path)
+  row, = load(tmp_path, "ring_memory_cpu_tiny")["rows"]
+  assert row["ring_bytes_match"], row
+  # Sharded over 8 devices, the same loss and gradients to float32 rounding.
+  assert row["check"]["grad_max_rel_diff"] < 1e-4, row["check"]
+
+
+def _experiment_sources():
+  return {p.stem: p.read_text() for p in (REPO / "experiments").glob("*.py")}
+
+
+def test_every_experiment_has_one_smoke_flag_and_each_default_once_in_its_help():
+  """Each script's parser comes from `experiments.common` (the one help formatter);
+  its --help lists --tiny and never shows a default twice (the formatter's appended
+  "(default: X)" beside a help text that already states one)."""
+  sources = _experiment_sources()
+  assert [n for n, s in sources.items() if "ArgumentParser(" in s] == ["common"]
+  scripts = sorted(n for n, s in sources.items() if "common.parser(" in s
+                   or "common.preset_parser(" in s)
+  assert len(scripts) >= 12, scripts
+  helps = subprocess.run(
+      [sys.executable, "-c", HELP_OF_EACH, *scripts], cwd=REPO, capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert helps.returncode == 0, helps.stderr[-3000:]
+  for name, text in json.loads(helps.stdout.splitlines()[-1]).items():
+    assert "--tiny" in text, f"{name} has no --tiny"
+    options = re.split(r"\n(?=  -)", text.split("options:", 1)[1])
+    for option in (" ".join(o.split()) for o in options):
+      assert not re.search(r"default.*\(default: [^)]*\)$", option), f"{name}: {option}"
+
+
+# Each named script's --help, in one process (the imports once), as one JSON line.
+HELP_OF_EACH = """
+import contextlib, io, json, runpy, sys
+helps = {}
+for name in sys.argv[1:]:
+  sys.argv, out = [name, "--help"], io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    runpy.run_module(f"experiments.{name}", run_name="__main__")
+  helps[name] = out.getvalue()
+print(json.dumps(helps))
+"""
 
 
 def test_mi50_preset_times_ten_warm_up_and_fifty_measured_runs():
@@ -326,12 +380,12 @@ def test_mosaic_check_backward_variants_on_a_cpu(capsys):
   capability = mosaic_impl.device_capability
   try:
     # (one consumer: the interpreter runs warp-specialised programs slowly)
-    assert mosaic_check.main(["--backward", "--dry-run-cpu", "--backward-configs",
+    assert mosaic_check.main(["--backward", "--tiny", "--backward-configs",
                               '[{"backward_fused_dq": true, "backward_consumers": 1}]']) == 0
     out = capsys.readouterr().out
     # A variant leaves out the checks whose GQA group its group_splits does not divide
     # (here all three: groups 2, 1, 2), where the kernel would refuse the call.
-    assert mosaic_check.main(["--backward", "--dry-run-cpu", "--backward-configs",
+    assert mosaic_check.main(["--backward", "--tiny", "--backward-configs",
                               '[{"backward_group_splits": 4}]']) == 0
   finally:
     mosaic_impl.device_capability = capability

@@ -139,15 +139,15 @@ def test_pallas_skips_tiles_outside_the_window():
 
 # -- the benchmark script ------------------------------------------------------------------
 
-def test_bench_masks_cpu_smoke(tmp_path):
+def test_bench_masks_tiny(tmp_path):
   # Machinery only (correctness gate, timing loop, JSON), never the numbers.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.bench_masks", "--cpu-smoke",
+      [sys.executable, "-m", "experiments.bench_masks", "--tiny",
        "--out-dir", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  data = json.loads((tmp_path / "bench_masks_cpu_smoke.json").read_text())
+  data = json.loads((tmp_path / "bench_masks_cpu_tiny.json").read_text())
   rows = data["rows"]
   assert {r["kind"] for r in rows} == {"causal", "window", "docs"}
   assert {r["impl"] for r in rows} == {"jflash", "xla"}

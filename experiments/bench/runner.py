@@ -263,7 +263,7 @@ def add_timing_args(p):
 
 
 def smoke_timing(args):
-  """--cpu-smoke: the machinery, not numbers."""
+  """--tiny: the machinery, not numbers."""
   args.rounds, args.round_ms, args.warm_ms, args.input_sets = 2, 1.0, 0.0, 2
 
 

@@ -27,8 +27,8 @@ bench_flags=()
 check_flags=()
 if [ -n "${BENCH_SMOKE:-}" ]; then
   export JAX_PLATFORMS=cpu
-  tag=cpu_smoke
-  bench_flags=(--cpu-smoke --jflash-impls xla_chunked,mosaic_gpu)
+  tag=cpu_tiny
+  bench_flags=(--tiny --jflash-impls xla_chunked,mosaic_gpu)
   check_flags=(--seq 64)
 fi
 
