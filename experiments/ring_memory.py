@@ -94,11 +94,12 @@ def parse_args(argv=None):
                       "ring_memory_op_cpu")
   p.add_argument("--out-dir", default=str(common.DEFAULT_OUT),
                  help="default experiments/results/local; experiments/results: the committed one")
-  common.add_tiny(p, "T = 64 on a one-layer model, checked")
+  common.add_tiny(p, "T = 64 on a one-layer model, checked (--op: T = 64 at P = 2)")
   args = p.parse_args(argv)
   if args.tiny:
     args.seq_lens, args.check_max, args.layers, args.hidden = "64", 64, 1, 32
-    args.out += "_tiny"
+    args.op_devices, args.op_seq_lens = "2", "64"
+    args.out = args.out or ("ring_memory_op_cpu_tiny" if args.op else "ring_memory_cpu_tiny")
   return args
 
 
