@@ -20,8 +20,6 @@ runs over query blocks and loops over key blocks. Splitting them avoids atomics 
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +224,7 @@ def _group_inputs(ops: MaskOperands, *, G, Tp, bk):
 # Programs the dK/dV grid should have before a GQA group is split over several: about
 # three per multiprocessor of an H100/H200 (132), which at the kernel's two resident
 # programs per multiprocessor leaves room for causal programs of unequal length to even
-# out. Override with JFLASH_DKV_SPLITS (1 = never split).
+# out (`flash_backward(dkv_split=...)` sets the split of one call).
 DKV_MIN_PROGRAMS = 3 * 132
 # Causal groups up to this size are split into one query head per program whatever the
 # program count: a causal dK/dV program's work falls with its key block's distance from
@@ -243,12 +241,6 @@ def dkv_splits(group: int, programs: int, interpret: bool, causal: bool = False)
   float32 afterwards): one per head for causal groups of up to
   CAUSAL_FULL_SPLIT_MAX_GROUP heads, else the fewest that reach DKV_MIN_PROGRAMS,
   dividing the group."""
-  forced = os.environ.get("JFLASH_DKV_SPLITS")
-  if forced:
-    if not forced.isdigit() or int(forced) < 1:
-      raise ValueError(f"JFLASH_DKV_SPLITS={forced!r} must be a positive integer")
-    # A part count that does not divide the group takes the largest one that does.
-    return math.gcd(int(forced), group)
   if interpret:
     return 1
   if causal and group <= CAUSAL_FULL_SPLIT_MAX_GROUP:

@@ -27,24 +27,24 @@ def _count_eqns(jaxpr) -> int:
   return sum(1 for _ in _eqns(jaxpr))
 
 
-def _kernel_sizes(N, K, T=16384, H=128):
+def _kernel_sizes(N, K, T=16384, H=128, dkv_split=None):
   """{pallas_call name: equations of its kernel body} of the backward, traced only."""
   q = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, T, K, H), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, N, T), jnp.float32)
   bwd = lambda q, k, v, o, lse, do: flash_backward(q, k, v, o, lse, do, scale=0.1,
-                                                   is_causal=True, interpret=False)
+                                                   is_causal=True, interpret=False,
+                                                   dkv_split=dkv_split)
   jaxpr = jax.make_jaxpr(bwd)(q, k, k, q, lse, q).jaxpr
   return {e.params["name"]: _count_eqns(e.params["jaxpr"])
           for e in jaxpr.eqns if e.primitive.name == "pallas_call"}
 
 
-def test_dkv_kernel_size_does_not_grow_with_the_group(monkeypatch):
+def test_dkv_kernel_size_does_not_grow_with_the_group():
   # Compile time follows the size of the kernel Triton is given: the query heads of a
   # group must be a loop of the program, not copies of its body. (Whole groups per
   # program: causal groups of four would otherwise run one head per program.)
-  monkeypatch.setenv("JFLASH_DKV_SPLITS", "1")
-  mha, gqa, mqa = (_kernel_sizes(16, K)["jflash_bwd_dkv"] for K in (16, 4, 1))
+  mha, gqa, mqa = (_kernel_sizes(16, K, dkv_split=1)["jflash_bwd_dkv"] for K in (16, 4, 1))
   assert gqa <= 1.5 * mha and mqa <= 1.5 * mha, (mha, gqa, mqa)
 
 
@@ -217,11 +217,10 @@ def test_query_tail_in_the_dkv_loop_with_windows_that_end_early():
     assert err <= 2 * err_plain + 4 * eps * np.sqrt(H) * max(1.0, np.abs(t).max()), name
 
 
-def test_split_rule(monkeypatch):
+def test_split_rule():
   # Compiled (interpret=False): causal groups of up to four heads run one head per
   # program; larger groups and non-causal calls split only to reach the program count.
   from pallas_kernels.backward import CAUSAL_FULL_SPLIT_MAX_GROUP, DKV_MIN_PROGRAMS, dkv_splits
-  monkeypatch.delenv("JFLASH_DKV_SPLITS", raising=False)
   many = DKV_MIN_PROGRAMS
   assert CAUSAL_FULL_SPLIT_MAX_GROUP == 4
   assert dkv_splits(4, many, False, causal=True) == 4
@@ -230,15 +229,12 @@ def test_split_rule(monkeypatch):
   assert dkv_splits(16, many // 4, False, causal=True) == 4      # the program rule
   assert dkv_splits(16, many // 4, False, causal=False) == 4
   assert dkv_splits(4, many, True, causal=True) == 1             # interpreted: whole groups
-  monkeypatch.setenv("JFLASH_DKV_SPLITS", "1")
-  assert dkv_splits(4, many, False, causal=True) == 1
 
 
 @pytest.mark.parametrize("causal, parts", [(True, 4), (False, 1)])
-def test_causal_calls_reach_the_split_rule(monkeypatch, causal, parts):
+def test_causal_calls_reach_the_split_rule(causal, parts):
   # GQA-4, batch 8 x 2048 keys x 2 key heads: 512 dK/dV programs unsplit (enough), so
   # only the causal rule splits; the split kernel writes one float32 partial per part.
-  monkeypatch.delenv("JFLASH_DKV_SPLITS", raising=False)
   B, T, N, K, H = 8, 2048, 8, 2, 64
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)

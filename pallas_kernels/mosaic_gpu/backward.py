@@ -11,16 +11,11 @@ dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dS' = dS * (1 - tanh^2) under a
 cap, dK = scale dS'^T Q, dQ = scale dS' K, with delta = rowsum(dO * O) minus the lse
 cotangent (`backward_statistics`, shared with the Triton kernels).
 
-Two kernels, each program one warpgroup (`BackwardConfig()`; M = 64 rows of every
-warpgroup matrix product) or two and a producer (`consumers=2`, warp-specialised; the
-dQ kernel also three, `dq_consumers=3`; jflash's adapter starts from `call_config`,
-which takes two, three dQ consumers where they measured faster, and splits a causal
-call's GQA group over more dK/dV programs when its grid is small) that loads its
-tiles with bulk tensor copies (TMA): the program's fixed operands once, the streamed
-ones double-buffered (the next tile's copies are issued before this tile's products).
-With `BackwardConfig.fused_dq` the dK/dV kernel also adds each tile's dQ to a float32
-dQ in global memory (copy-engine reduce-adds, not deterministic) and the dQ kernel
-does not run:
+Two kernels, each program two or three consumer warpgroups and a producer
+(warp-specialised; M = 64 rows of every warpgroup matrix product per consumer) that
+loads its tiles with bulk tensor copies (TMA): the program's fixed operands once, the
+streamed ones through `stages` slots; the dQ kernel also as one warpgroup that streams
+its own tiles (double buffering) where two consumers' rows do not fit shared memory:
 
 - dK/dV: grid over (key tiles, key heads, batch). K and V of the tile stay in shared
   memory; a runtime loop over the query heads of the GQA group and, inside, over the
@@ -48,7 +43,7 @@ Both skip whole tiles for causal, window, lengths and segment ids alike (the sch
 of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
 operands and no layout casts; loads, barriers, schedule and masks are the kernel's own
-(with `fused_dq`, the reduce-add is a read-modify-write there, `add_dq`), but tails are
+but tails are
 padded to whole tiles (`map_rows`): reading them in place runs on the GPU only.
 """
 from __future__ import annotations
@@ -68,7 +63,7 @@ from pallas_kernels.common import round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep, visit_tiles)
 from pallas_kernels.mosaic_gpu.forward import (DEFAULT_CONSUMER_REGISTERS, LOG2E,
-                                               MAX_BARRIERS, SEMANTICS, SMEM_BYTES,
+                                               MAX_BARRIERS, SMEM_BYTES,
                                                SMEM_SLACK, MosaicConfig, _load_vector, _plgpu,
                                                check_head_dim_and_dtype, check_l2_group,
                                                check_shared_memory,
@@ -108,184 +103,85 @@ CONSUMER_REGISTERS = {2: 240, 3: DEFAULT_CONSUMER_REGISTERS[3]}
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-  """Tiles and compile options of the Mosaic GPU backward.
+  """Tiles and compile options of the Mosaic GPU backward. The dK/dV kernel's programs
+  run two consumer warpgroups, each owning 64 keys, and a producer warpgroup that
+  streams the query tiles both read through `stages` slots (FlashAttention-3's warp
+  specialisation), the consumers at CONSUMER_REGISTERS[2]; above head_dim 128 the two
+  share 64 keys by role (`by_role`).
 
   block_n: the N of each kernel's first products: query rows per tile in the dK/dV
     kernel (S^T is [64, block_n]), key rows per tile in the dQ kernel (S is
     [64, block_n]) unless `dq_block_n` sets those; a multiple of 64, <= 256.
-  semantics: Mosaic GPU's lowering semantics, pinned as in the forward ("lane":
-    explicit register layouts, as this kernel is written).
-  consumers: warpgroups that compute, each owning 64 rows of the program's fixed
-    operand (keys in dK/dV, queries in dQ). 1: the one warpgroup also streams its own
-    tiles. 2: a third, producer warpgroup streams the tiles both consumers read,
-    through `stages` slots (FlashAttention-3's warp specialisation), the consumers at
-    CONSUMER_REGISTERS[2]. Both correct on the H200; two the faster (`call_config`). At
-    head dims above 128 only two: they share the program's 64 keys by role (`by_role`).
-  fused_dq: dQ accumulated in the dK/dV kernel (FlashAttention-3's backward): each
-    tile's dS' is also written to shared memory, dQ += dS' K of the tile is one more
-    product there, and the copy engine adds it to a float32 dQ in global memory (bulk
-    reduce-add). S and dP are then computed once per tile instead of twice (five
-    products per tile pair, not seven) and the dQ kernel does not run. The order of
-    the float adds into dQ varies between runs: not bit-identical on repeat, which
-    the separate dQ kernel (False) is. Correct on the H200 but slower there (16K
-    d = 128 fwd+bwd 441.7 TF/s with two consumers at CONSUMER_REGISTERS[2] against 527.5
-    without it and 464.7 with the Triton backward, in one process,
-    mosaic_bwd_regs240_h200.log): at 232 registers ptxas serialised its matrix
-    products for want of registers and spilled (experiments/results/ptxas_h200/: the
-    dQ result beside the dK and dV accumulators did not fit). block_n 64, or 128 up to
-    head_dim 64 (`FUSED_DQ_RESULT`), where d = 64's tiles (BLOCK_N_AT_64 with lse and
-    delta streamed) then run with it: correct on an H100 and slower there (4K d64
-    fwd+bwd 239.0 TF/s against the default's 421.4, causal 213.5 against 350.0;
-    ptxas spills 440 bytes; mosaic_bwd_fused_d64_h100.json).
-  fused_dq_row_split: with fused_dq, two consumers and block_n 128: consumer c adds
-    the tile's dQ rows [64 c, 64 c + 64) over both consumers' 128 keys (each
-    consumer's dS'^T through two shared-memory slots, one barrier arrival and wait per
-    tile), so the tile's dQ is added once ([64, head_dim] by each consumer) rather than
-    once per consumer: half fused_dq's reduce traffic into L2. At
-    d = 64 a program's tile pair (128 keys, 128 queries) is 10.5 MFLOP over five
-    products and 64 KiB of reduce-adds without the split: 3.75 TB/s into L2 for the
-    card at 600 TF/s, 1.9 with it. Correct on an H100, 16% faster than the whole
-    tile's form there and slower than the default of the order before P under dP:
-    276.9 TF/s, 404.4 on the persistent grid (causal 248.3, 316.2) against 421.4
-    (350.0); ptxas spills 376 bytes (mosaic_bwd_fused_d64_h100.json). On the
-    persistent grid with dkv_p_under_dp, level with today's default at 4K d = 64
-    without a mask (0.98-1.04x, H100s and an H200), 0.92x causal
-    (mosaic_bwd_fused_rows_p_under_dp_*.json).
+  stages: shared-memory slots of the tiles a producer warpgroup streams (a dQ program
+    of one warpgroup double-buffers its own).
+  group_splits: programs per key tile of the dK/dV kernel, each looping over its own
+    share of the GQA group's G query heads (program s of group_splits = n runs heads
+    [s G / n, (s + 1) G / n)): a causal dK/dV grid of few programs then fills the GPU,
+    where one wave lasts as long as its heaviest program. Each program stores float32
+    partial dK and dV and flash_backward sums them in a fixed order (deterministic).
+    Must divide the call's group (NotImplementedError otherwise, `check_supported`).
   dq_block_n: key rows per tile of the dQ kernel (the N of its S and dP), where it
     differs from the dK/dV kernel's block_n; None: block_n.
+  dq_consumers: the dQ kernel's consumer warpgroups (`dq_consumers_of`): None takes
+    two, or one at the head dims split by role (dQ alone holds d / 2 registers per
+    thread, and at d = 256 two consumers' Q and dO beside two K/V slots exceed shared
+    memory). 1: one warpgroup streams its own key tiles. 2 or 3: a producer
+    warpgroup streams K and V to consumers of 64 query rows each; three at
+    CONSUMER_REGISTERS[3], up to head_dim 128.
   dq_rows_in_registers: the dQ kernel's consumers hold their fixed Q and dO rows in
-    registers (32 + 32 per thread at d = 128), as the A operands of S = Q K^T and
-    dP = dO V^T, so that those products read only K and V from shared memory. A
-    product m64nNk16 with both operands in shared memory reads (64 + N) x 16 x 2 bytes
-    for 64 N 16 multiply-adds: at N = 64, 4 KiB per 32 cycles of the tensor cores
-    (2048 bf16 multiply-adds per cycle per multiprocessor at the H100's dense rate),
-    which is all of shared memory's 128 bytes per cycle (32 banks of 4 bytes); with A
-    in registers, half of it. Measured on the H200, it gained 1-3% of fwd+bwd (so
-    shared memory was not what held the kernel); `call_config` takes it wherever the
-    dQ kernel runs two consumers.
-  dkv_rows_in_registers: the same for the dK/dV kernel's fixed K and V rows (the A
-    operands of S^T = K Q^T and dP^T = V dO^T): 16 + 16 registers at d = 64 (level
-    there on the H200 on 64-row tiles; on d = 64's default tiles, 128 rows with lse
-    and delta streamed, slower: 4K fwd+bwd 364.7 TF/s against 409.8,
-    mosaic_bwd_d64_tiles128_variants_h200.json); at d = 128 they take 32 + 32 beside
-    dK and dV's 128, where the consumer already spills (correct on the H200; 16K
-    fwd+bwd 452.7 TF/s against 549.6, mosaic_bwd_d128_forms_time_h200.json).
+    registers, as the A operands of S = Q K^T and dP = dO V^T, so that those products
+    read only K and V from shared memory: a product m64nNk16 with both operands in
+    shared memory reads (64 + N) x 16 x 2 bytes per 64 N 16 multiply-adds, at N = 64
+    all of shared memory's 128 bytes per cycle (32 banks of 4 bytes) at the tensor
+    cores' dense rate; with A in registers, half of it.
   persistent: each kernel launches one program per multiprocessor, which loops over
     the work items (key tiles of the dK/dV kernel, query blocks of the dQ kernel, by
-    head and batch) that would each have been a program (`item_coords` says in which
-    order), so that the producer's loads of the next item's streamed tiles overlap
-    this item's last products and its stores, and no partial last wave is launched
-    (the forward's `persistent`). Each item's fixed tiles are still loaded, and its
-    outputs stored, before and after its loop. Under jax.vmap the launch's batching
-    rule adds a grid axis: one persistent grid per mapped problem. Two consumers in
-    the dK/dV kernel, two or three in the dQ kernel (not dq_consumers=1), not at the
-    head dims split by role; with fused_dq the dK/dV kernel's alone, whose launch
-    folds a mapped axis into the batch: one persistent grid over every mapped
-    problem's items (on an H100 1.46x the launched grid with fused_dq_row_split at 4K
-    d64). The default where it measured faster (`persistent_wins`).
-  dq_consumers: the dQ kernel's consumer warpgroups where they differ from
-    `consumers` (`dq_consumers_of`): None takes `consumers`, except at the head dims
-    split by role, where it takes one (dQ alone holds d / 2 registers per thread, and
-    at d = 256 two consumers' Q and dO beside two K/V slots exceed shared memory). 2
-    there runs the warp-specialised dQ kernel of d <= 128 (a producer streaming K and
-    V, two consumers of 64 query rows each) where it fits shared memory: with
-    dq_block_n 64 and `stages` 2 up to d = 224 (three slots fit up to d = 176); the
-    dQ kernel's slots are then `stages`, not the one warpgroup's two. `call_config`
-    takes it there where it fits (DQ_CONSUMERS_ABOVE_128). 3: three consumers of 64
-    query rows (192 per program) share the producer's K and V tiles, at
-    CONSUMER_REGISTERS[3]; up to head_dim 128.
+    head and batch; `scheduler.item_coords` orders them), so that the producer's loads
+    of the next item's streamed tiles overlap this item's last products and its
+    stores, and no partial last wave is launched. Under jax.vmap the launch's batching
+    rule adds a grid axis: one persistent grid per mapped problem. Not with
+    dq_consumers=1, not at the head dims split by role.
   stats_streamed: the dK/dV kernel's producer also streams each query tile's lse and
     delta ([block_n] float32 each) into shared-memory slots beside Q and dO, and the
     consumers read lse after S^T's product and delta after dP^T's (JAX's Mosaic GPU
-    kernel), in place of loading both from global memory at the tile's start, where
-    they stay live in registers through the tile's products. Two consumers, not at
-    the head dims split by role. The default at head_dim 64 with
-    its query tiles of 128 (BLOCK_N_AT_64, which it lets fit the registers); slower
-    at 128 (16K fwd+bwd 524.1 TF/s against 539.8 on 64-row tiles).
-  dv_overlap: the dK/dV kernel issues dV += P^T dO right behind dP^T = V dO^T and
-    waits for dP^T alone, so that dS^T is computed under the dV product
-    (FlashAttention-3; True, the default); False waits for both (JAX's Mosaic GPU
-    kernel): the input-dtype copy of P^T, the dV product's operand, is then free
-    before dS^T is computed. Not at the head dims split by role. With lse and delta
-    streamed, False measured slower at d = 64 (4K fwd+bwd 398.3 TF/s against 419.1 on
-    128-row tiles, 378.0 against 398.0 on 64) and 1-1.5% faster at d = 128 (16K 531.2
-    against 524.1 on 64-row tiles), still behind the default there (539.8;
-    mosaic_bwd_stats_streamed_time_h200.json).
+    kernel), in place of loading both at the tile's start, where they stay live in
+    registers through the tile's products. Not at the head dims split by role.
   dkv_p_under_dp: the dK/dV kernel issues dP^T = V dO^T right behind S^T = K Q^T and
     waits for S^T alone, so that P^T's exponentials run under the dP^T product; dV +=
     P^T dO is issued once both are waited for, and dS'^T computed under it
-    (FlashAttention-3's order: both score products before the softmax). False issues
-    dP^T after P^T, with dV behind it (tokamax's order): the consumer's own products
-    are then idle while it computes P^T. The live registers at the peak, dK, dV, P^T in
-    float32 and in the input dtype and dP^T, are the same in both orders. Not at the
-    head dims split by role. `call_config` takes it on d = 64's tiles (P_UNDER_DP,
-    whose comment has the timings: faster at d = 64, slower at d = 128).
+    (FlashAttention-3's order). False issues dP^T after P^T, with dV behind it
+    (tokamax's order). Not at the head dims split by role.
   dq_p_under_dp: the dQ kernel waits for S = Q K^T alone of the two products it issues
     back to back, so that P's exponentials run under dP = dO V^T; False waits for both.
-    `call_config` takes it where it takes dkv_p_under_dp (each unless the caller set
-    it).
-  edge_overlap: at each work item's edges (a program's start and end, or between a
-    persistent program's items), both kernels issue the two fixed tiles' loads (K and
-    V; Q and dO) before waiting for either, and the outputs' stores (dK and dV; dQ)
-    before one wait that lasts only until the copy engine has read shared memory
-    (`_store_tiles`); False loads, and stores, one tile at a time, each waited for in
-    full: four copy-engine round trips at every edge of the dK/dV kernel where this
-    leaves two, shorter (with `group_splits`, whose partial dK and dV share one tile,
-    two read waits). An edge costs the consumers, and the tensor cores, those round
-    trips: at 4K d = 64 causal a dK/dV item is about 16 query tiles of 128 rows, 35 us
-    of a persistent program's time against 409 us for a 16K d = 128 item (profiled
-    kernel times over items per program). Not at the head dims split by role. Correct
-    on an H100 and no faster there (fwd+bwd 16K d128 553.5 TF/s against 552.6, 4K d64
-    415.9 against 421.6, causal 343.7 against 345.1; mosaic_bwd_edge_overlap_h100.json):
-    the round trips were not exposed as modelled.
   l2_group: with `persistent` and a causal mask, each kernel's tiles (key tiles of the
     dK/dV kernel, query blocks of the dQ kernel) go to the programs in groups of this
-    many consecutive ones of one head (`item_coords`), so that programs running at
-    once share that head's streamed tiles in L2; 1: one head per program of a round.
-    No other grid reads it.
-  group_splits: programs per key tile of the dK/dV kernel, each looping over its own
-    share of the GQA group's G query heads (program s of group_splits = n runs heads
-    [s G / n, (s + 1) G / n)) instead of one program over all G: a causal dK/dV grid of
-    few programs (MQA 16/1 at 16K: 128 of two consumers) then fills the GPU, where one
-    wave lasts as long as its heaviest program. Each program stores float32 partial dK and dV and
-    flash_backward sums them (in a fixed order: still deterministic). Must divide
-    the call's group (NotImplementedError otherwise, `check_supported`).
+    many consecutive ones of one head (`scheduler.item_coords`), so that programs
+    running at once share that head's streamed tiles in L2; 1: one head per program of
+    a round. No other grid reads it.
   """
 
   block_n: int = 64
-  semantics: str = "lane"
-  consumers: int = 1
   stages: int = 2
-  fused_dq: bool = False
-  fused_dq_row_split: bool = False
   group_splits: int = 1
   dq_block_n: int | None = None
   dq_consumers: int | None = None
   dq_rows_in_registers: bool = False
-  dkv_rows_in_registers: bool = False
   persistent: bool = False
   stats_streamed: bool = False
-  dv_overlap: bool = True
   dkv_p_under_dp: bool = False
   dq_p_under_dp: bool = False
-  edge_overlap: bool = False
   l2_group: int = 1
 
   def __post_init__(self):
-    if self.semantics not in SEMANTICS:
-      raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
     if not isinstance(self.block_n, int) or self.block_n % 64 or not 0 < self.block_n <= 256:
       raise ValueError(f"block_n={self.block_n!r} must be 64, 128, 192 or 256")
-    if isinstance(self.consumers, bool) or self.consumers not in (1, 2):
-      raise ValueError(f"consumers={self.consumers!r} must be 1 or 2")
     if not isinstance(self.stages, int) or self.stages < 2:
       raise ValueError(f"stages={self.stages!r} must be an int >= 2")
     if self.dq_block_n is not None and (not isinstance(self.dq_block_n, int)
                                         or self.dq_block_n % 64 or not 0 < self.dq_block_n <= 256):
       raise ValueError(f"dq_block_n={self.dq_block_n!r} must be None, 64, 128, 192 or 256")
-    for name in ("fused_dq", "fused_dq_row_split", "dq_rows_in_registers",
-                 "dkv_rows_in_registers", "persistent", "stats_streamed", "dv_overlap",
-                 "dkv_p_under_dp", "dq_p_under_dp", "edge_overlap"):
+    for name in ("dq_rows_in_registers", "persistent", "stats_streamed", "dkv_p_under_dp",
+                 "dq_p_under_dp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if isinstance(self.group_splits, bool) or not isinstance(self.group_splits, int) \
@@ -294,39 +190,16 @@ class BackwardConfig:
     if self.dq_consumers is not None and (isinstance(self.dq_consumers, bool)
                                           or self.dq_consumers not in (1, 2, 3)):
       raise ValueError(f"dq_consumers={self.dq_consumers!r} must be None, 1, 2 or 3")
-    if self.fused_dq and (self.dq_block_n is not None or self.dq_rows_in_registers
-                          or self.dq_consumers is not None or self.dq_p_under_dp):
-      raise ValueError(f"fused_dq=True runs no dQ kernel: dq_block_n={self.dq_block_n!r}, "
-                       f"dq_consumers={self.dq_consumers!r}, dq_rows_in_registers="
-                       f"{self.dq_rows_in_registers!r} and dq_p_under_dp="
-                       f"{self.dq_p_under_dp!r} are its fields")
     check_l2_group(self.l2_group)
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of a producer and consumers: "
                        "dq_consumers=1 needs persistent=False")
-    if self.persistent and self.consumers != 2:
-      raise ValueError(f"persistent=True runs programs of two consumers and a producer: "
-                       f"got consumers={self.consumers}")
     per_slot, why = (4, "four per slot with stats_streamed") if self.stats_streamed else (
         2, "two per slot")
     if per_slot * self.stages > MAX_BARRIERS:
       raise ValueError(f"stages={self.stages} needs {per_slot * self.stages} \"loaded\" "
                        f"barriers ({why}); Mosaic GPU allocates at most {MAX_BARRIERS} "
                        f"in a group")
-    if self.stats_streamed and self.consumers != 2:
-      raise ValueError(f"stats_streamed=True streams through the producer of two "
-                       f"consumers: got consumers={self.consumers}")
-    if self.fused_dq and self.block_n > 2 * ROWS:
-      # The dQ product's M is the tile's query rows, its float32 result beside dK and
-      # dV in the consumer's registers (`check_supported` bounds it by head_dim).
-      raise ValueError(f"fused_dq=True needs block_n={ROWS} or block_n={2 * ROWS}, not "
-                       f"block_n={self.block_n}")
-    if self.fused_dq_row_split and not (self.fused_dq and self.consumers == 2
-                                        and self.block_n == 2 * ROWS):
-      raise ValueError(f"fused_dq_row_split=True splits a {2 * ROWS}-row query tile's dQ "
-                       f"between two consumers: it needs fused_dq=True, consumers=2 and "
-                       f"block_n={2 * ROWS}, got fused_dq={self.fused_dq}, consumers="
-                       f"{self.consumers}, block_n={self.block_n}")
 
 
 # Two consumer warpgroups and a producer per program (warp specialisation), from fwd+bwd
@@ -404,27 +277,21 @@ def stream_slots(consumers: int, stages: int) -> int:
 
 
 def dq_consumers_of(head_dim: int, config: BackwardConfig) -> int:
-  """The dQ kernel's consumer warpgroups: `dq_consumers`, or by default `consumers`,
-  and one at the head dims split by role (`BackwardConfig.dq_consumers`)."""
+  """The dQ kernel's consumer warpgroups: `dq_consumers`, or by default two, and one at
+  the head dims split by role (`BackwardConfig.dq_consumers`)."""
   if config.dq_consumers is not None:
     return config.dq_consumers
-  return 1 if by_role(head_dim) else config.consumers
+  return 1 if by_role(head_dim) else 2
 
 
 def dkv_keys(head_dim: int, config: BackwardConfig) -> int:
   """Keys per dK/dV program: 64 per consumer, or 64 shared by the two split by role."""
-  return ROWS if by_role(head_dim) else config.consumers * ROWS
+  return ROWS if by_role(head_dim) else 2 * ROWS
 
 
 def dkv_programs(B: int, K: int, S: int, head_dim: int, config: BackwardConfig) -> int:
   """Programs of the dK/dV grid: batch x key heads x key tiles x group splits."""
   return B * K * -(-S // dkv_keys(head_dim, config)) * config.group_splits
-
-
-def two_consumer_config(**fields) -> BackwardConfig:
-  """The caller's BackwardConfig `fields` over two consumers: `call_config` before its
-  per-call choices (the fields a caller's config is checked against)."""
-  return BackwardConfig(**{"consumers": 2, **fields})
 
 
 def persistent_wins(*, causal: bool, group: int, head_dim: int) -> bool:
@@ -519,28 +386,28 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   than needed.)"""
   B, S, K, H = k_shape
   group = q_shape[2] // K
-  config = two_consumer_config(**fields)
-  if (H == 64 and not config.fused_dq
+  config = BackwardConfig(**fields)
+  if (H == 64
       and not {"block_n", "dq_block_n", "stats_streamed"} & set(fields)):
     config = tiles_at_64(config, itemsize)
     if config.stats_streamed:      # both kernels on d = 64's tiles, as timed
       config = dataclasses.replace(
           config, **{f: True for f in P_UNDER_DP if f not in fields})
-  if (by_role(H) and "dq_consumers" not in fields and not config.fused_dq
+  if (by_role(H) and "dq_consumers" not in fields
       and (config.dq_block_n or config.block_n) == ROWS):
     config = where_it_fits(config, H, itemsize, dq_consumers=DQ_CONSUMERS_ABOVE_128)
-  if (table_head_dim(H) == 128 and not causal and config.consumers == 2
-      and not config.fused_dq and not {"dq_consumers", "dq_rows_in_registers"} & set(fields)):
+  if (table_head_dim(H) == 128 and not causal
+      and not {"dq_consumers", "dq_rows_in_registers"} & set(fields)):
     config = where_it_fits(config, H, itemsize, dq_consumers=DQ_CONSUMERS_AT_128)
   # Against Q and dO read from shared memory, fwd+bwd in alternating rounds of one
   # process on the H200 (ab_dq_rows_in_registers_h200.json): 16K d128 1.009x, causal
   # 1.027x, GQA 32/8 8K causal 1.026x, MQA 16/1 16K causal 1.019x, the decoder LM's
   # attention 1.015x.
-  if (dq_consumers_of(H, config) == 2 and not by_role(H) and not config.fused_dq
+  if (dq_consumers_of(H, config) == 2 and not by_role(H)
       and "dq_rows_in_registers" not in fields):
     config = dataclasses.replace(config, dq_rows_in_registers=True)
-  if (persistent_wins(causal=causal, group=group, head_dim=H) and config.consumers == 2
-      and dq_consumers_of(H, config) >= 2 and not by_role(H) and not config.fused_dq
+  if (persistent_wins(causal=causal, group=group, head_dim=H)
+      and dq_consumers_of(H, config) >= 2 and not by_role(H)
       and "persistent" not in fields):
     config = dataclasses.replace(config, persistent=True)
   if (causal and config.persistent and H == 64 and "l2_group" not in fields
@@ -557,6 +424,44 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
   return config
 
 
+# Query and key lengths from which the Mosaic GPU backward runs ahead of the Triton one
+# (fwd+bwd on the H200, bf16, both timed in one process; docs/notes/mosaic.md has the
+# figures). Shorter calls spread each program's fixed loads, pipeline fill and stores
+# over fewer tiles.
+MHA_MIN_SEQ = 2048              # one key head per query head, head_dim 80-128, launched grids
+MHA_PERSISTENT_MIN_SEQ = 1024   # ... on the persistent grids (no partial last wave)
+BY_ROLE_MIN_SEQ = 1024          # head dims split by role (above 128): the shortest timed
+D64_MIN_SEQ = 1024              # head_dim 64, one key head per query head
+D64_CAUSAL_MIN_SEQ = 4096       # ... with a causal mask (shorter, the Triton one leads)
+D64_GROUPED_MIN_SEQ = 4096      # ... grouped heads: the length timed
+
+
+def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConfig) -> bool:
+  """Whether the Mosaic GPU backward at `config` (the call's `call_config`) runs ahead of
+  the Triton backward for a call of q [B, T, N, H] and k [B, S, K, H]:
+  - not when the call is causal and its dK/dV grid has fewer than CAUSAL_MIN_PROGRAMS
+    programs: a causal program's work grows with its key tile's distance from the end,
+    and one wave of a few hundred programs lasts as long as the heaviest;
+  - above head_dim 128 (split by role) from BY_ROLE_MIN_SEQ rows;
+  - at head dims that take d = 64's tiles only at 64 itself (the 128-row tiles have not
+    run below it), from D64_MIN_SEQ, D64_CAUSAL_MIN_SEQ or D64_GROUPED_MIN_SEQ rows;
+  - at 80-128 always for grouped heads (the dK/dV program runs the group's query heads
+    against K and V held in shared memory), and for one key head per query head from
+    MHA_MIN_SEQ rows (MHA_PERSISTENT_MIN_SEQ on the persistent grids)."""
+  B, S, K, H = k_shape
+  T, grouped = q_shape[1], q_shape[2] > K
+  if causal and dkv_programs(B, K, S, H, config) < CAUSAL_MIN_PROGRAMS:
+    return False
+  if by_role(H):
+    return min(T, S) >= BY_ROLE_MIN_SEQ
+  if table_head_dim(H) == 64:
+    min_seq = (D64_GROUPED_MIN_SEQ if grouped else
+               D64_CAUSAL_MIN_SEQ if causal else D64_MIN_SEQ)
+    return H == 64 and min(T, S) >= min_seq
+  return grouped or min(T, S) >= (MHA_PERSISTENT_MIN_SEQ if config.persistent
+                                  else MHA_MIN_SEQ)
+
+
 def where_it_fits(config: BackwardConfig, head_dim: int, itemsize: int,
                   **changes) -> BackwardConfig:
   """`config` with `changes` where that fits shared memory (`smem_bytes`), else `config`."""
@@ -566,15 +471,14 @@ def where_it_fits(config: BackwardConfig, head_dim: int, itemsize: int,
 
 def tiles_at_64(config: BackwardConfig, itemsize: int) -> BackwardConfig:
   """`config` with d = 64's default tiles (BLOCK_N_AT_64): both kernels' with lse and
-  delta streamed where that form runs (two consumers, the caller's stages within its
-  "loaded" barriers and shared memory), else the dQ kernel's alone."""
-  if config.consumers == 2:
-    try:
-      streamed = dataclasses.replace(config, block_n=BLOCK_N_AT_64, stats_streamed=True)
-    except ValueError:   # four "loaded" barriers per slot: the stages exceed MAX_BARRIERS
-      streamed = None
-    if streamed is not None and smem_bytes(64, itemsize, streamed) <= SMEM_BYTES:
-      return streamed
+  delta streamed where that form runs (the caller's stages within its "loaded"
+  barriers and shared memory), else the dQ kernel's alone."""
+  try:
+    streamed = dataclasses.replace(config, block_n=BLOCK_N_AT_64, stats_streamed=True)
+  except ValueError:   # four "loaded" barriers per slot: the stages exceed MAX_BARRIERS
+    streamed = None
+  if streamed is not None and smem_bytes(64, itemsize, streamed) <= SMEM_BYTES:
+    return streamed
   return dataclasses.replace(config, dq_block_n=BLOCK_N_AT_64)
 
 
@@ -582,58 +486,45 @@ def smem_bytes(head_dim: int, itemsize: int, config: BackwardConfig) -> int:
   """Shared memory of the larger of the two kernels' programs: each consumer's two
   fixed 64-row tiles and the two streamed operands' slots (block_n rows in the dK/dV
   kernel, `dq_block_n` in the dQ kernel, whose consumers `dq_consumers_of` counts),
-  plus the forward's slack for barriers and
-  alignment; with `fused_dq`, each consumer's dS' tile and its float32 dQ tile on the
-  way to global memory (with `fused_dq_row_split`, two slots of both consumers' dS'^T
-  and each consumer's 64 rows of dQ); with `group_splits` > 1, each consumer's float32 tile of
-  partial dK, then dV, on the way to global memory; with `stats_streamed`, the lse
-  and delta slots."""
-  slots = stream_slots(config.consumers, config.stages)
+  plus the forward's slack for barriers and alignment; with `group_splits` > 1, each
+  consumer's float32 tile of partial dK, then dV, on the way to global memory; with
+  `stats_streamed`, the lse and delta slots."""
+  slots = config.stages
   tile = ROWS * head_dim * itemsize
   streamed = lambda rows, slots=slots: slots * 2 * rows * head_dim * itemsize
   dq_rows = config.dq_block_n or config.block_n
-  partial = config.consumers * ROWS * head_dim * 4 if config.group_splits > 1 else 0
+  partial = 2 * ROWS * head_dim * 4 if config.group_splits > 1 else 0
   dq_c = dq_consumers_of(head_dim, config)
   # dQ: each consumer's Q and dO, and the K, V slots.
-  dq = 0 if config.fused_dq else (dq_c * 2 * tile
-                                  + streamed(dq_rows, stream_slots(dq_c, config.stages)))
+  dq = dq_c * 2 * tile + streamed(dq_rows, stream_slots(dq_c, config.stages))
   if by_role(head_dim):
     # dK/dV: K and V once (one consumer each), two slots of the P^T tile and one of the
     # float32 dP^T tile they pass each other.
     passed = ROWS * config.block_n * (2 * itemsize + 4)
     dkv = 2 * tile + streamed(config.block_n) + passed + partial
     return max(dkv, dq) + SMEM_SLACK
-  fixed = config.consumers * 2 * tile
+  fixed = 2 * 2 * tile
   if config.stats_streamed:    # lse and delta slots beside Q and dO, each buffer aligned
     fixed += 2 * round_up(slots * config.block_n * 4, SMEM_ALIGN)
-  fused = 0
-  if config.fused_dq_row_split:    # two slots of both consumers' dS'^T, 64 dQ rows each
-    fused = config.consumers * ROWS * (2 * config.block_n * itemsize + head_dim * 4)
-  elif config.fused_dq:
-    fused = config.consumers * config.block_n * (ROWS * itemsize + head_dim * 4)
-  dkv = fixed + streamed(config.block_n) + fused + partial
+  dkv = fixed + streamed(config.block_n) + partial
   return max(dkv, dq) + SMEM_SLACK
 
 
 def by_role_error(head_dim: int, config: BackwardConfig) -> str | None:
   """Why the backward cannot run `config` at `head_dim`, or None: split by role
-  (`by_role`), the dK/dV kernel runs two consumers, no dQ product and no group split
-  (its float32 partial tiles of 64 x 256 would not fit shared memory either)."""
-  if by_role(head_dim) and (config.consumers != 2 or config.fused_dq
-                            or config.group_splits != 1 or config.dq_rows_in_registers
-                            or config.dkv_rows_in_registers or config.persistent
-                            or config.stats_streamed or not config.dv_overlap
-                            or config.dkv_p_under_dp or config.edge_overlap):
+  (`by_role`), the dK/dV kernel runs no group split (its float32 partial tiles of
+  64 x 256 would not fit shared memory either), no persistent grid and its own tile
+  loop."""
+  if by_role(head_dim) and (config.group_splits != 1 or config.dq_rows_in_registers
+                            or config.persistent or config.stats_streamed
+                            or config.dkv_p_under_dp):
     return (f"the Mosaic GPU backward at head_dim={head_dim} runs two consumers, one "
-            f"holding dK and one dV, no fused dQ, no group split, no fixed rows in "
-            f"registers, no persistent grid and its own tile loop and item edges: got "
-            f"consumers={config.consumers}, fused_dq={config.fused_dq}, "
+            f"holding dK and one dV, no group split, no fixed rows in registers, no "
+            f"persistent grid and its own tile loop: got "
             f"group_splits={config.group_splits}, "
             f"dq_rows_in_registers={config.dq_rows_in_registers}, "
-            f"dkv_rows_in_registers={config.dkv_rows_in_registers}, "
             f"persistent={config.persistent}, stats_streamed={config.stats_streamed}, "
-            f"dv_overlap={config.dv_overlap}, dkv_p_under_dp={config.dkv_p_under_dp}, "
-            f"edge_overlap={config.edge_overlap}")
+            f"dkv_p_under_dp={config.dkv_p_under_dp}")
   return None
 
 
@@ -643,12 +534,6 @@ def group_split_error(group: int, splits: int) -> str | None:
   if group % splits:
     return f"group_splits={splits} does not divide the GQA group of {group}"
   return None
-
-
-# The fused dQ product's float32 result per consumer, [block_n, head_dim], at most
-# 64 registers per thread of its warpgroup: query tiles of 64 rows up to head_dim 128,
-# of 128 rows up to 64 (where dK and dV take 32 + 32 and S^T, dP^T 64 each).
-FUSED_DQ_RESULT = ROWS * 128
 
 
 def check_supported(q, k, v, config: BackwardConfig):
@@ -663,11 +548,6 @@ def check_supported(q, k, v, config: BackwardConfig):
   why = by_role_error(q.shape[-1], config)
   if why:
     raise NotImplementedError(why)
-  if config.fused_dq and config.block_n * q.shape[-1] > FUSED_DQ_RESULT:
-    raise NotImplementedError(
-        f"fused_dq=True holds each tile's float32 dQ, block_n x head_dim, beside dK and dV "
-        f"in a consumer's registers: block_n * head_dim <= {FUSED_DQ_RESULT} (64 per "
-        f"thread), got block_n={config.block_n} at head_dim={q.shape[-1]}")
   why = group_split_error(q.shape[2] // k.shape[2], config.group_splits)
   if why:
     raise NotImplementedError(f"{why} query heads per key head ({q.shape[2]} query heads, "
@@ -688,9 +568,9 @@ class _Products:
     self.scratch = scratch      # interpreter: [accumulator, consumer, rows, cols] float32
 
   @staticmethod
-  def _dot(a, b, b_t, a_t=False):
+  def _dot(a, b, b_t):
     a, b = a[...], b[...]         # a ref or a value alike
-    return jnp.dot(a.T if a_t else a, b.T if b_t else b, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b.T if b_t else b, preferred_element_type=jnp.float32)
 
   @staticmethod
   def _t(ref, transposed):
@@ -721,22 +601,21 @@ class _Products:
       return first, plgpu.wgmma_accumulator_load(acc2, wait_n=0)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
-  def fresh_under(self, a, b, shape, *, b_t, then, a_t=False, overlap=True):
-    """a(^T) @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
+  def fresh_under(self, a, b, shape, *, b_t, then):
+    """a @ b(^T) into a new accumulator, with `then` = (acc, a2, b2), acc += a2 @ b2,
     issued right after it and left in flight: only the first is waited for, so the
     caller's next instructions run under the second (FlashAttention-3's overlap of
-    dP^T with the dV product in the backward); `overlap` False waits for both. `a_t`:
-    `a` is a shared-memory ref read transposed (a view, as `b_t`)."""
+    dP^T with the dV product in the backward)."""
     acc, a2, b2 = then
     if self.interpret:
       acc[...] += self._dot(a2, b2, False)
-      return self._dot(a, b, b_t, a_t)
+      return self._dot(a, b, b_t)
     plgpu = _plgpu()
 
     def run(fresh):
-      plgpu.wgmma(fresh, self._t(a, a_t), self._t(b, b_t))
+      plgpu.wgmma(fresh, a, self._t(b, b_t))
       plgpu.wgmma(acc, a2, b2)
-      return plgpu.wgmma_accumulator_load(fresh, wait_n=1 if overlap else 0)
+      return plgpu.wgmma_accumulator_load(fresh, wait_n=1)
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
   def issue(self, acc, a, b):
@@ -851,20 +730,18 @@ class _Stream:
     return tuple(smem.at[slot] for smem in self.smems)
 
 
-def _load_fixed(loads, overlap):
-  """A work item's fixed tiles, each (src, dst, barrier): with `overlap`
-  (`BackwardConfig.edge_overlap`) every copy issued before the first wait, else one
-  tile loaded and waited for at a time."""
-  for group in ([loads] if overlap else [[load] for load in loads]):
-    _load_tiles(group)
+def _load_fixed(loads):
+  """A work item's fixed tiles, each (src, dst, barrier), one tile loaded and waited
+  for at a time."""
+  for load in loads:
+    _load_tiles([load])
 
 
-def _store_outputs(stores, overlap):
-  """A work item's outputs, each (x, smem, dst) through its own tile: with `overlap`
-  every copy issued before one wait for the copy engine's reads, else each stored and
+def _store_outputs(stores):
+  """A work item's outputs, each (x, smem, dst) through its own tile, each stored and
   waited for in full."""
-  for group in ([stores] if overlap else [[store] for store in stores]):
-    _store_tiles(group, read_only=overlap)
+  for store in stores:
+    _store_tiles([store])
 
 
 def _store_tile(x, smem, dst, read_only=False):
@@ -1058,22 +935,15 @@ def _run_persistent(persistent: _PersistentGrid, pipe, item_of, produce, consume
 
 
 def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, group_splits=1, fused_dq=False, row_split=False,
-                rows_in_registers=False, persistent=None, stats_streamed=False,
-                dv_overlap=True, p_under_dp=False, edge_overlap=False):
-  """dK, dV of `consumers` x 64 keys of one key head, summed over the group's heads (or
-  the program's share of them, `group_splits`) and the visited query tiles (S^T =
-  K Q^T, so each tile is [keys, queries]). One consumer: the program's one warpgroup
-  streams its own query tiles (double buffering). Two: each consumer warpgroup owns 64
-  keys, and a producer warpgroup streams the query tiles both read (`_Pipeline`).
-  `fused_dq`: each tile also adds dS' K to the float32 dQ in global memory
-  (`BackwardConfig.fused_dq`; `row_split`: each consumer its share of the tile's query
-  rows over both consumers' keys, `BackwardConfig.fused_dq_row_split`);
-  `rows_in_registers`: K and V enter S^T and dP^T from registers
-  (`BackwardConfig.dkv_rows_in_registers`); `persistent` (a
-  `_PersistentGrid`): each program of two consumers loops over work items (key tile,
-  key head, split, batch) of the grid it stands for; `stats_streamed`, `dv_overlap`,
-  `edge_overlap`: as `BackwardConfig`'s, `p_under_dp` as its `dkv_p_under_dp`."""
+                stages, group_splits=1, persistent=None, stats_streamed=False,
+                p_under_dp=False):
+  """dK, dV of 2 x 64 keys of one key head, summed over the group's heads (or the
+  program's share of them, `group_splits`) and the visited query tiles (S^T = K Q^T, so
+  each tile is [keys, queries]): each consumer warpgroup owns 64 keys, and a producer
+  warpgroup streams the query tiles both read (`_Pipeline`). `persistent` (a
+  `_PersistentGrid`): each program loops over work items (key tile, key head, split,
+  batch) of the grid it stands for; `stats_streamed`: as `BackwardConfig`'s,
+  `p_under_dp` as its `dkv_p_under_dp`."""
   r = dict(zip(names, refs))
   bk = ROWS
   H = r["q_smem"].shape[-1]
@@ -1087,10 +957,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     group) in batch b: (j, kv_head, b, head, srcs, key_segments, consume)."""
     return _dkv_program(r, mm, j, kv_head, split, b, own=own, bk=bk, bq=bq, H=H,
                         key_layout=key_layout, group=group, group_splits=group_splits,
-                        interpret=interpret, opts=opts, scale=scale, fused_dq=fused_dq,
-                        row_split=row_split, rows_in_registers=rows_in_registers,
-                        stats_streamed=stats_streamed, edge_overlap=edge_overlap,
-                        dv_overlap=dv_overlap, p_under_dp=p_under_dp)
+                        interpret=interpret, opts=opts, scale=scale,
+                        stats_streamed=stats_streamed, p_under_dp=p_under_dp)
 
   if persistent is None:
     j, kv_head, b, head, srcs, key_segments, consume = item_at(
@@ -1099,18 +967,6 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
     if by_role(H):
       _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, opts=opts,
                    scale=scale, bq=bq, stages=stages, interpret=interpret)
-      return
-    if consumers == 1:
-      stream = _Stream(srcs, [r["q_smem"], r["do_smem"]], r["loaded"])
-
-      def before(t, i, g, lo, hi):         # copy the next tile into the other slot
-        slot = lax.rem(t, 2)
-        pl.when(i + 1 < hi)(lambda: stream.start(1 - slot, i + 1, g))
-        pl.when((i + 1 == hi) & (g + 1 < own))(lambda: stream.start(1 - slot, lo, g + 1))
-      tiles = (lambda lo: stream.start(0, lo, 0), before,
-               lambda t: stream.wait(lax.rem(t, 2)), None)
-      fixed = r["fixed_loaded"]
-      consume(0, r["k_smem"], r["v_smem"], (fixed.at[0], fixed.at[1]), j * bk, tiles)
       return
 
   streamed = ("q_smem", "do_smem") + (("lse_smem", "delta_smem") if stats_streamed else ())
@@ -1122,8 +978,8 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
                       lambda wg: consume_as(wg, j, consume))
     return
 
-  # Config validation keeps the persistent grid to two consumers, not split by role.
-  assert consumers == 2 and not by_role(H), (consumers, H)
+  # Config validation keeps the persistent grid off the head dims split by role.
+  assert not by_role(H), H
 
   def item_of(w):
     coords = item_coords(w, persistent.sizes, opts.is_causal, persistent.l2_group)
@@ -1142,13 +998,11 @@ def _dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, co
 
 
 def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, group,
-                 group_splits, interpret, opts, scale, fused_dq, rows_in_registers,
-                 row_split=False, stats_streamed=False, dv_overlap=True,
-                 p_under_dp=False, edge_overlap=False):
+                 group_splits, interpret, opts, scale, stats_streamed=False,
+                 p_under_dp=False):
   """The closures of one dK/dV work item (see `_dkv_kernel`; `split` returns the
   item's group split where there are several): (j, kv_head, b, head, srcs,
   key_segments, consume)."""
-  plgpu = _plgpu()
   ranges = r["ranges"]
 
   def head(g):
@@ -1180,8 +1034,7 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     counted = _counted_from(count)
     keys = pl.ds(key0, bk)
     _load_fixed([(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0]),
-                 (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])], edge_overlap)
-    k_a, v_a = (k_smem[...], v_smem[...]) if rows_in_registers else (k_smem, v_smem)
+                 (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])])
     lo, full_lo, full_hi, hi = _row(ranges, b, j)
     kv_seg = key_segments(keys)
     tile = dict(bq=bq, key0=key0, opts=opts, kv_len=ranges[b, j, 5], interpret=interpret)
@@ -1189,71 +1042,6 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     keep_of = functools.partial(_dkv_keep, r, b, **tile)   # stats_streamed: the mask alone
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
-
-    def add_dq(ds_t, rows, n, q_smem, dk_acc):
-      """dQ[rows] += dS' K, and dK += dS'^T Q issued behind it. dS'^T goes to shared
-      memory, where the product reads it transposed; the float32 result goes through
-      shared memory to the copy engine, which adds it to dQ in global memory (in L2,
-      so concurrent programs' adds to the same rows do not race) while dK's product
-      runs. The interpreter has no reduce-add: each consumer adds to its own copy of
-      dQ there (the programs run one after another; the copies are summed after).
-      The program's last adds are waited for with its dK/dV stores (`_store_tile`; with
-      `edge_overlap` until the copy engine has read them, the adds completing with the
-      kernel: nothing in it reads dQ)."""
-      ds_smem, dq_smem = r["ds_smem"].at[wg], r["dq_smem"].at[wg]
-      ds_smem[...] = ds_t          # the last tile's dQ product was waited for
-      plgpu.commit_smem()          # visible to the tensor cores' reads
-      dq = mm.fresh_under(ds_smem, k_smem, (bq, H), a_t=True, b_t=False,
-                          then=(dk_acc, ds_t, q_smem))
-      if interpret:
-        dst = r["dq_acc"].at[wg, b, rows, n]
-        dst[...] = dst[...] + dq
-        return
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
-      dq_smem[...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
-
-    def add_dq_rows(ds_t, t, i, n, q_smem, dk_acc):
-      """dQ[consumer wg's rows] += dS' K over both consumers' keys (`row_split`), and
-      dK += dS'^T Q issued behind it. Each consumer writes its [64 keys, 128 queries]
-      dS'^T to shared memory slot t % 2 as two [64, 64] query halves and arrives on the
-      slot's "ready" barrier; once both have arrived, its dQ product takes its 64 query
-      rows from both consumers' dS'^T (read transposed) against both consumers' K rows,
-      and its float32 result goes to the copy engine's reduce-add while dK's product
-      runs (as `add_dq`). The tile's dQ is added once, a [64, head_dim] reduce-add per
-      consumer, not the whole tile's per consumer. A slot is rewritten two tiles
-      later, which a consumer reaches only past the other consumer's "ready" arrival
-      of the tile between, made after its dQ product of this tile was waited for: two
-      slots need no "free" barrier (the K rows, rewritten at the item's end, have
-      theirs: "keys_free")."""
-      ds_all, dq_smem, ready = r["ds_smem"], r["dq_smem"].at[wg], r["ds_ready"]
-      slot = lax.rem(t, 2)
-      for half in range(2):
-        ds_all[slot, wg, half] = ds_t[:, half * ROWS:(half + 1) * ROWS]
-      plgpu.commit_smem()          # visible to the tensor cores' reads
-      plgpu.barrier_arrive(ready.at[slot])
-      plgpu.barrier_wait(ready.at[slot])
-      rows = pl.ds(i * bq + wg * ROWS, ROWS)
-      parts = [(ds_all.at[slot, key_half, wg], r["k_smem"].at[key_half])
-               for key_half in range(2)]
-      if interpret:
-        mm.issue(dk_acc, ds_t, q_smem)
-        dq = sum(mm._dot(ds, k, False, a_t=True) for ds, k in parts)
-        dst = r["dq_acc"].at[wg, b, rows, n]
-        dst[...] = dst[...] + dq
-        return
-
-      def run(acc):
-        for ds, k_rows in parts:
-          plgpu.wgmma(acc, plgpu.transpose_ref(ds, (1, 0)), k_rows)
-        plgpu.wgmma(dk_acc, ds_t, q_smem)
-        return plgpu.wgmma_accumulator_load(acc, wait_n=1)   # dK's product left in flight
-      dq = pl.run_scoped(run, plgpu.ACC((ROWS, H), jnp.float32))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last add has read dq_smem
-      dq_smem[...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, r["dq_acc"].at[b, rows, n], reduction_op="add")
 
     def body(i, carry, g, masked, dk_acc, dv_acc):
       n = head(g)
@@ -1273,27 +1061,20 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
         return _tile_p(s_t, lse, opts=opts, scale=scale, keep=keep)
       if p_under_dp:
         # S^T = K Q^T and dP^T = V dO^T back to back, P^T under the second; then dV +=
-        # P^T dO, with dS'^T computed under it (`dv_overlap`).
-        (p_t, c), dp_t = mm.fresh_pair(k_a, q_smem, v_a, do_smem, (bk, bq), b_t=True,
+        # P^T dO, with dS'^T computed under it.
+        (p_t, c), dp_t = mm.fresh_pair(k_smem, q_smem, v_smem, do_smem, (bk, bq), b_t=True,
                                        under_second=probabilities)
         mm.issue(dv_acc, p_t.astype(do_smem.dtype), do_smem)
-        if not dv_overlap:
-          mm.wait()
       else:
-        p_t, c = probabilities(mm.fresh(k_a, q_smem, (bk, bq), b_t=True))  # S^T = K Q^T
+        p_t, c = probabilities(mm.fresh(k_smem, q_smem, (bk, bq), b_t=True))  # S^T = K Q^T
         # dP^T = V dO^T, then dV += P^T dO issued behind it: dS'^T is computed under
-        # the dV product (`dv_overlap`), and dK += dS'^T Q follows it on the tensor cores.
-        dp_t = mm.fresh_under(v_a, do_smem, (bk, bq), b_t=True, overlap=dv_overlap,
+        # the dV product, and dK += dS'^T Q follows it on the tensor cores.
+        dp_t = mm.fresh_under(v_smem, do_smem, (bk, bq), b_t=True,
                               then=(dv_acc, p_t.astype(do_smem.dtype), do_smem))
       if stats_streamed:
         delta = _along_queries(delta_smem, bq, interpret)
       ds_t = _tile_ds(p_t, c, dp_t, delta).astype(q_smem.dtype)
-      if row_split:
-        add_dq_rows(ds_t, t, i, n, q_smem, dk_acc)
-      elif fused_dq:
-        add_dq(ds_t, rows, n, q_smem, dk_acc)
-      else:
-        mm.issue(dk_acc, ds_t, q_smem)
+      mm.issue(dk_acc, ds_t, q_smem)
       mm.wait()          # this tile's slot is refilled once its products are done
       if release is not None:
         release(t)
@@ -1307,23 +1088,16 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
           functools.partial(body, g=g, dk_acc=dk_acc, dv_acc=dv_acc), c), 0)
 
     dk, dv = mm.accumulators((bk, H), 2, heads, wg)
-    if row_split:
-      # The other consumer's last dQ products read this one's K rows, which the dK
-      # store below (and a persistent program's next item) overwrites.
-      plgpu.barrier_arrive(r["keys_free"])
-      plgpu.barrier_wait(r["keys_free"])
     if group_splits == 1:
       _store_outputs([(dk * scale, k_smem, r["dk"].at[b, keys, kv_head]),
-                      (dv, v_smem, r["dv"].at[b, keys, kv_head])], edge_overlap)
+                      (dv, v_smem, r["dv"].at[b, keys, kv_head])])
     else:
       # Partial sums over the program's heads, summed over the splits by flash_backward:
       # float32 through a float32 tile, so that only the total is rounded to the input
       # dtype (k_smem and v_smem would round each partial).
       this_split, partial = split(), r["partial_smem"].at[wg]
-      _store_tile(dk * scale, partial, r["dk"].at[b, this_split, keys, kv_head],
-                  read_only=edge_overlap)
-      _store_tile(dv, partial, r["dv"].at[b, this_split, keys, kv_head],
-                  read_only=edge_overlap)
+      _store_tile(dk * scale, partial, r["dk"].at[b, this_split, keys, kv_head])
+      _store_tile(dv, partial, r["dv"].at[b, this_split, keys, kv_head])
     return _count_after(count, lambda: own * (hi - lo))
 
   return _DkvItem(j, kv_head, b, head, srcs, key_segments, consume)
@@ -1432,15 +1206,14 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
 
 def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
                consumers, stages, rows_in_registers=False, persistent=None,
-               p_under_dp=False, edge_overlap=False):
+               p_under_dp=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two or three share the
   key tiles a producer warpgroup streams (`_Pipeline`), each owning 64 query rows.
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `_PersistentGrid`): each
   program of a producer and its consumers loops over work items (query block, head,
-  batch) of the grid it stands for; `edge_overlap`: as `BackwardConfig`'s, `p_under_dp`
-  as its `dq_p_under_dp`."""
+  batch) of the grid it stands for; `p_under_dp`: as `BackwardConfig.dq_p_under_dp`."""
   r = dict(zip(names, refs))
   bq = ROWS
   ranges = r["ranges"]
@@ -1448,7 +1221,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
   item_at = functools.partial(_dq_program, r, _Products(interpret, r.get("acc")), bq=bq,
                               bk=bk, group=group, interpret=interpret, opts=opts,
                               scale=scale, rows_in_registers=rows_in_registers,
-                              p_under_dp=p_under_dp, edge_overlap=edge_overlap)
+                              p_under_dp=p_under_dp)
   if persistent is None:
     i, b, srcs, consume = item_at(block_of(lax.axis_index("q")), lax.axis_index("heads"),
                                   lax.axis_index("batch"))
@@ -1496,7 +1269,7 @@ def _dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, 
 
 
 def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
-                rows_in_registers, p_under_dp=False, edge_overlap=False):
+                rows_in_registers, p_under_dp=False):
   """The closures of one dQ work item (see `_dq_kernel`), query block i of query head
   n in batch b: (i, b, srcs, consume)."""
   ranges = r["ranges"]
@@ -1518,7 +1291,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
     _load_fixed([(r["q"].at[b, rows, n], q_smem, fixed_loaded[0]),
-                 (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])], edge_overlap)
+                 (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])])
     q_a, do_a = (q_smem[...], do_smem[...]) if rows_in_registers else (q_smem, do_smem)
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(_load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
@@ -1556,7 +1329,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
-    _store_outputs([(dq * scale, q_smem, r["dq"].at[b, rows, n])], edge_overlap)
+    _store_outputs([(dq * scale, q_smem, r["dq"].at[b, rows, n])])
     return _count_after(count, lambda: hi - lo)
 
   return _DqItem(i, b, srcs, consume)
@@ -1624,12 +1397,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
   stages, roles = config.stages, by_role(H)
 
-  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type, dq_rows=None,
-           partials=False, C=config.consumers, shared_fixed=False, stats=False):
+  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type,
+           partials=False, C=2, shared_fixed=False, stats=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
-    that stream through the slots, with their rows. dq_rows: with `fused_dq`, the
-    padded query length of the float32 dQ the kernel adds to; returns it after the
-    outputs. partials: the outputs are float32 partial sums (`group_splits`), stored
+    that stream through the slots, with their rows. partials: the outputs are float32 partial sums (`group_splits`), stored
     from a float32 tile of each consumer's fixed rows. C: consumers; shared_fixed: the
     consumers split one program's fixed rows by role (`_dkv_by_role`): each holds one
     of the two fixed operands, and they pass each other P^T (two slots) and float32
@@ -1670,83 +1441,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     args.insert(in_names.index("ranges"), ranges)
     body = functools.partial(kernel, opts=opts, scale=scale, group=group,
                              interpret=interpret, consumers=C, stages=slots)
-    params = compiler_params(config.semantics)
-    if dq_rows is None:
-      return plgpu.kernel(
-          functools.partial(body, names=[*in_names, *out_names, *scratch]),
-          out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
-          grid_names=grid_names, compiler_params=params, **threads, **extra)(*args)
-
-    # fused_dq: each consumer's dS' tile (read transposed by the dQ product) and its
-    # float32 dQ tile for the copy engine; with the row split, both consumers' dS'^T
-    # tiles in two slots, by key block and query half, and each consumer's 64 rows of dQ.
-    if config.fused_dq_row_split:
-      scratch["ds_smem"] = smem((2, C, 2, ROWS, ROWS))
-      scratch["dq_smem"] = plgpu.SMEM((C, ROWS, H), jnp.float32, **f32_layout(H))
-      scratch["ds_ready"] = plgpu.Barrier(num_arrivals=C, num_barriers=2)
-      scratch["keys_free"] = plgpu.Barrier(num_arrivals=C)
-    else:
-      scratch["ds_smem"] = smem((C, ROWS, stream_rows))
-      scratch["dq_smem"] = plgpu.SMEM((C, stream_rows, H), jnp.float32, **f32_layout(H))
-    dq_type = jax.ShapeDtypeStruct((B, dq_rows, N, H), jnp.float32)
-    if interpret:
-      # One copy of dQ per consumer, summed here (`add_dq`); "zero" fills the outputs
-      # (and scratch) with zeros where the interpreter's default is NaN.
-      per_consumer_dq = jax.ShapeDtypeStruct((C, *dq_type.shape), jnp.float32)
-      zeroed = InterpretGPUParams(uninitialized_memory="zero")
-      *outs, dq = plgpu.kernel(
-          functools.partial(body, names=[*in_names, *out_names, "dq_acc", *scratch],
-                            fused_dq=True),
-          out_type=[*out_type, per_consumer_dq], scratch_types=list(scratch.values()),
-          grid=grid, grid_names=grid_names, compiler_params=params, **threads,
-          interpret=zeroed)(*args)
-      return (*outs, dq.sum(0))
-    # The copy engine adds into dQ, so it must start at zero: the kernel reads and
-    # writes dQ (and writes dK, dV) in place through refs of `pl.run_state`, which hands
-    # back their final values (plgpu.kernel has no input-output aliasing; this is its
-    # launch, with its own batching rule below).
-    thread_axis = threads.get("thread_name", ())
-
-    def launch_over(batch):
-      """(grid, kernel body) of a launch over `batch` batch entries: the grid's last
-      axis, or with `persistent` one persistent grid over every entry's work items."""
-      persistent = kernel.keywords.get("persistent")
-      if persistent is None:
-        return (*grid[:-1], batch), body
-      persistent = persistent_grid((*persistent.sizes[:-1], batch))
-      return (persistent.programs,), functools.partial(body, persistent=persistent)
-
-    @jax.custom_batching.custom_vmap
-    def in_place_call(*args):
-      """The kernel on arrays whose leading axis is the batch (all its inputs and
-      outputs)."""
-      batch = args[0].shape[0]
-      launch_grid, run = launch_over(batch)
-      mesh = plgpu.Mesh(grid=launch_grid, grid_names=grid_names, **threads)
-      types = [dq_type, *out_type]
-      zeros = [jnp.zeros((batch, *t.shape[1:]), t.dtype) for t in types]
-
-      def launch(*refs):
-        pl.run_scoped(functools.partial(run, *refs, names=[
-            *in_names, "dq_acc", *out_names, *scratch], fused_dq=True),
-                      *scratch.values(), collective_axes=thread_axis)
-
-      def in_place(refs):
-        pl.kernel(launch, out_type=(), mesh=mesh, compiler_params=params,
-                  name=kernel.func.__name__)(*args, *refs)
-      return tuple(pl.run_state(in_place)(zeros))
-
-    @in_place_call.def_vmap
-    def _(axis_size, in_batched, *args):
-      # A vmapped call is the same kernel over axis_size x batch items (`pl.run_state`
-      # has no batching rule of its own).
-      args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-              for a, batched in zip(args, in_batched)]
-      outs = in_place_call(*(a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args))
-      return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), (True,) * len(outs)
-
-    dq, *outs = in_place_call(*args)
-    return (*outs, dq)
+    return plgpu.kernel(
+        functools.partial(body, names=[*in_names, *out_names, *scratch]),
+        out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
+        grid_names=grid_names, compiler_params=compiler_params(), **threads, **extra)(*args)
 
   # With `persistent`, each kernel's grid is one program per multiprocessor (axis "sm"),
   # looping over the work items of the grid it stands for.
@@ -1781,27 +1479,19 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   kv_type = jax.ShapeDtypeStruct((B, S_map, K, H), k.dtype)
   if splits > 1:
     # A key tile's programs side by side, each with float32 partial dK and dV of its
-    # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis and the leading
-    # axis of every output, as the in-place launch's batching rule (fused_dq) takes it.
+    # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis.
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
     kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
-  dkv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
-                               row_split=config.fused_dq_row_split,
-                               rows_in_registers=config.dkv_rows_in_registers,
-                               persistent=persistent_grid(grid),
-                               stats_streamed=config.stats_streamed,
-                               dv_overlap=config.dv_overlap,
-                               p_under_dp=config.dkv_p_under_dp,
-                               edge_overlap=config.edge_overlap),
-             *grid_of(grid, grid_names),
-             x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
-             [kv_type, kv_type], dq_rows=Tp if config.fused_dq else None,
-             partials=splits > 1, shared_fixed=roles, stats=config.stats_streamed)
-  dk, dv = dkv[:2]
+  dk, dv = call(functools.partial(_dkv_kernel, bq=bq, group_splits=splits,
+                                  persistent=persistent_grid(grid),
+                                  stats_streamed=config.stats_streamed,
+                                  p_under_dp=config.dkv_p_under_dp),
+                *grid_of(grid, grid_names),
+                x, ranges, (("k_smem", "v_smem"), ROWS), (("q_smem", "do_smem"), bq),
+                [kv_type, kv_type], partials=splits > 1, shared_fixed=roles,
+                stats=config.stats_streamed)
   if splits > 1:      # in a fixed order, rounded once
     dk, dv = (d.sum(1).astype(k.dtype) for d in (dk, dv))
-  if config.fused_dq:
-    return (dkv[2][:, :T] * scale).astype(q.dtype), dk[:, :S], dv[:, :S]
 
   # -- dQ: dq_consumers_of x ROWS query rows per program, key tiles of dq_block_n (or
   # block_n) rows
@@ -1813,7 +1503,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   (dq,) = call(functools.partial(_dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,
                                  p_under_dp=config.dq_p_under_dp,
-                                 edge_overlap=config.edge_overlap,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype)],

@@ -59,7 +59,6 @@ SWIZZLES = (128, 64, 32)            # bytes per row of a swizzle atom, widest fi
 DTYPES = (jnp.bfloat16, jnp.float16)
 CONSUMER_COUNTS = (2, 3)            # consumer warpgroups per program
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
-SEMANTICS = ("lane", "warpgroup")
 # Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef): a
 # pipeline's per-slot barriers of one kind are one group.
 MAX_BARRIERS = 32
@@ -73,84 +72,50 @@ class MosaicConfig:
     rows); a multiple of 64, the M of one warpgroup matrix product.
   block_k: key/value rows per pipeline slot (the N of S = Q K^T, <= 256).
   stages: shared-memory slots of K and V in flight.
-  pv_in_place: rescale O and accumulate P V into it in place (True), or take P V
-    into a fresh accumulator and add (the interpreter has no in-place accumulator).
-  semantics: Mosaic GPU's lowering semantics, pinned because jax 0.11 changed the
-    default from "lane" (explicit register layouts, as this kernel is written) to
-    "warpgroup" (layouts inferred).
   persistent: one program per multiprocessor looping over the (query block, head,
     batch) items, so that one item's pipeline fill and output store overlap the
     next item's loads, and no partial last wave is launched.
-  overlap: FlashAttention-3's overlap inside one warpgroup (section 3.2): the next
-    tile's S = Q K^T and this tile's P V are issued together and the next tile's
-    softmax runs under the P V product, in place of the ping-pong between the two
-    consumers. Correct on the H200 (mosaic_overlap_check_h200.json) but slower there
-    than the table's kernel (0.90x at 4K d = 64, 0.71x causal, 0.34-0.45x at d = 256,
-    where it spills; d = 128 not timed; mosaic_sweep3_h200.json), so not in the table.
-  consumers: consumer warpgroups per program, 2 or 3.
-  ping_pong: stagger two consumers with the schedule barrier (two only); None: True
-    with two consumers, False with three.
+  consumers: consumer warpgroups per program, 2 or 3. Two are staggered by the
+    schedule barrier (ping-pong, FlashAttention-3 section 3.1); three run
+    unsynchronised (more warps per scheduler to hide the softmax's latencies).
   consumer_registers: registers per thread of each consumer warpgroup after
     `setmaxnreg`; the producer keeps the rest of the launch's pool (`register_split`).
     None: 232 with two consumers (the JAX and tokamax kernels), 160 with three
     (FlashAttention-3).
-  l2_group: with a causal mask, the query blocks go to the programs in groups of
-    this many consecutive ones of one head (`item_coords`: over a persistent grid's
-    work items, or over the launched grid's hardware launch order), so that programs
-    running at once share that head's K and V in L2; 1: the grid's own order.
   consumer_ranges: each consumer computes only the key tiles its own block_q rows
     see, with their own mask classes (`build_ranges` at block_q rows), and idles
     through the rest of the program's tiles with the barrier arrivals and waits alone:
     with a causal mask a program's earlier consumers otherwise compute the diagonal's
-    tiles that only its later consumers' rows see, fully masked. Read by the loop without
-    `overlap` or `scores_ahead` (ValueError with either).
+    tiles that only its later consumers' rows see, fully masked. Not with
+    `scores_ahead` (ValueError).
   scores_ahead: issue each tile's P V product and the next tile's S = Q K^T back to
     back and wait for both at once, where otherwise P V is waited for before the next
-    S is issued (the loop without `overlap`, which does not read it); needs
-    pv_in_place. The default at SCORES_AHEAD_HEAD_DIMS (faster on the H200 where the
-    products dominate a tile; slower elsewhere).
+    S is issued.
   lazy_rescale: keep a row's running max, the one its exponentials are taken against,
     until a tile's max exceeds it by more than RESCALE_THRESHOLD, and skip the
-    rescale of O in each warp none of whose rows moved (`scale_moved_rows`). Needs
-    pv_in_place; the loop with `overlap` does not read it (and rescales every tile).
-    The default at LAZY_RESCALE_TABLE_DIMS.
+    rescale of O in each warp none of whose rows moved (`scale_moved_rows`).
   """
 
   block_q: int = 64
   block_k: int = 128
   stages: int = 2
-  pv_in_place: bool = True
-  semantics: str = "lane"
   persistent: bool = False
-  overlap: bool = False
   consumers: int = 2
-  ping_pong: bool | None = None
   consumer_registers: int | None = None
-  l2_group: int = 1
   scores_ahead: bool = False
   lazy_rescale: bool = False
   consumer_ranges: bool = False
 
   def __post_init__(self):
-    if self.semantics not in SEMANTICS:
-      raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
-    check_l2_group(self.l2_group)
     if not isinstance(self.consumer_ranges, bool):
       raise ValueError(f"consumer_ranges={self.consumer_ranges!r} must be a bool")
-    if self.consumer_ranges and (self.overlap or self.scores_ahead):
-      raise ValueError(
-          "consumer_ranges=True is built into the loop without overlap or scores_ahead; "
-          f"got overlap={self.overlap!r}, scores_ahead={self.scores_ahead!r}")
+    if self.consumer_ranges and self.scores_ahead:
+      raise ValueError("consumer_ranges=True is built into the loop without scores_ahead; "
+                       f"got scores_ahead={self.scores_ahead!r}")
     if not isinstance(self.scores_ahead, bool):
       raise ValueError(f"scores_ahead={self.scores_ahead!r} must be a bool")
     if not isinstance(self.lazy_rescale, bool):
       raise ValueError(f"lazy_rescale={self.lazy_rescale!r} must be a bool")
-    if self.lazy_rescale and not self.pv_in_place:
-      raise ValueError("lazy_rescale=True skips the rescale of O in place: it needs "
-                       f"pv_in_place=True, got pv_in_place={self.pv_in_place!r}")
-    if self.scores_ahead and not self.pv_in_place:
-      raise ValueError("scores_ahead=True issues P V in place ahead of the next S: it "
-                       f"needs pv_in_place=True, got pv_in_place={self.pv_in_place!r}")
     if not isinstance(self.block_q, int) or self.block_q % 64 or self.block_q <= 0:
       raise ValueError(f"block_q={self.block_q!r} must be a positive multiple of 64")
     if not isinstance(self.block_k, int) or self.block_k % 64 or not 0 < self.block_k <= 256:
@@ -160,13 +125,6 @@ class MosaicConfig:
                        "(one barrier of each kind per slot)")
     if type(self.consumers) is not int or self.consumers not in CONSUMER_COUNTS:
       raise ValueError(f"consumers={self.consumers!r} must be one of {CONSUMER_COUNTS}")
-    if self.ping_pong is None:     # resolved here, so the kernel reads a bool
-      object.__setattr__(self, "ping_pong", self.consumers == 2)
-    if not isinstance(self.ping_pong, bool):
-      raise ValueError(f"ping_pong={self.ping_pong!r} must be a bool or None")
-    if self.ping_pong and self.consumers != 2:
-      raise ValueError(f"ping_pong=True staggers two consumers; consumers={self.consumers} "
-                       "needs ping_pong=False")
     c, launch = self.register_split()[0], launch_registers(self.consumers)
     most = (launch * (self.consumers + 1) - MIN_REGISTERS) // self.consumers // 8 * 8
     if type(c) is not int or c % 8 or not launch <= c <= most:
@@ -174,10 +132,14 @@ class MosaicConfig:
                        f"[{launch}, {most}] with {self.consumers} consumers")
 
   def with_consumers(self, consumers: int) -> "MosaicConfig":
-    """These tiles with `consumers` consumer warpgroups and that count's own ping-pong
-    and register defaults."""
-    return dataclasses.replace(self, consumers=consumers, ping_pong=None,
-                               consumer_registers=None)
+    """These tiles with `consumers` consumer warpgroups and that count's own register
+    default."""
+    return dataclasses.replace(self, consumers=consumers, consumer_registers=None)
+
+  @property
+  def ping_pong(self) -> bool:
+    """Two consumers are staggered by the schedule barrier; three are not."""
+    return self.consumers == 2
 
   def register_split(self) -> tuple[int, int]:
     """(registers per consumer thread, per producer thread) after `setmaxnreg`."""
@@ -420,12 +382,12 @@ def check_supported(q, k, v, config: MosaicConfig):
     # d = 256 it refused the 64 x 256 float32 accumulator ("Insufficient registers
     # (128) ... register target of 158 or higher", mosaic_sweep_consumers_h200.log).
     # Only what ran on the H200 with three is taken: 64-row consumers, key tiles
-    # <= 128, d <= 128, no in-warpgroup overlap (two accumulators live).
+    # <= 128, d <= 128.
     H = q.shape[-1]
-    if H > 128 or config.block_q != 64 or config.block_k > 128 or config.overlap:
+    if H > 128 or config.block_q != 64 or config.block_k > 128:
       raise NotImplementedError(
-          f"three consumer warpgroups support head_dim <= 128, block_q=64, block_k <= 128 "
-          f"and no overlap (their products must fit 128 registers per thread); got "
+          f"three consumer warpgroups support head_dim <= 128, block_q=64 and "
+          f"block_k <= 128 (their products must fit 128 registers per thread); got "
           f"head_dim={H}, {config}")
   check_shared_memory(config, q.shape[-1], smem_bytes(q.shape[-1], q.dtype.itemsize, config))
 
@@ -579,7 +541,7 @@ def item_coords(w, sizes, causal: bool, l2_group: int = 1):
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
-            items_grid, num_ctas, dtype, interpret, pv_in_place):
+            items_grid, num_ctas, dtype, interpret):
   plgpu = _plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -614,18 +576,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     the same slot and barrier phase for each tile. Returns the count after the last
     item."""
     if num_ctas is None:     # one item per program
-      if opts.is_causal and config.l2_group > 1:
-        # `item_coords`'s groups over the hardware's launch index (batch fastest)
-        B, N = items_grid[2], items_grid[1]
-        launch = lax.axis_index("batch") + B * (lax.axis_index("heads")
-                                                + N * lax.axis_index("q"))
-        level, head, batch = item_coords(launch, items_grid, True, config.l2_group)
-        return item((block_of(level), head, batch), None)
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None)
     # persistent: this program's items (`persistent_items`)
     def coords_of(w):
-      level, head, batch = item_coords(w, items_grid, opts.is_causal, config.l2_group)
+      level, head, batch = item_coords(w, items_grid, opts.is_causal)
       return block_of(level), head, batch
 
     return persistent_items(math.prod(items_grid), num_ctas,
@@ -657,7 +612,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     return a, full_lo, jnp.clip(own[b, row, 2], full_lo, d), d
 
   consumer_registers, producer_registers = config.register_split()
-  lazy = config.lazy_rescale and not config.overlap
+  lazy = config.lazy_rescale
+  pv_in_place = not interpret   # the interpreter has no in-place accumulator
 
   @pl.when(wg < C)
   def _consumer():
@@ -763,8 +719,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
 
         def softmax_then_turn(j, s, masked, acc, m_i, l_i):
           """Tile j's softmax, then this consumer's turn at the tensor cores with V_j in."""
-          # With pv_in_place O is rescaled here, under the other consumer's products
-          # (the interpreter's `pv_product` rescales it): lazily, (rarely) before P's
+          # On the GPU O is rescaled here, under the other consumer's products (the
+          # interpreter's `pv_product` rescales it): lazily, (rarely) before P's
           # exp2, or every tile after it.
           s, m_new, m_use, alpha = new_max(s, j, masked, m_i)
           if pv_in_place and lazy:
@@ -784,25 +740,18 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           pl.when(j < hi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(j)]))
 
         def pv_product(j, acc, p16, alpha, then=lambda: None):
-          """O + P V of tile j, O rescaled by alpha here unless `softmax_then_turn` did
-          (pv_in_place); `then()` runs while the product is in flight."""
+          """O + P V of tile j, in place (`softmax_then_turn` rescaled O), or under the
+          interpreter O rescaled by alpha here; `then()` runs while the product is in
+          flight."""
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem.at[slot_of(j)])
             then()
-
-          def pv_fresh(acc_ref):
-            pv(acc_ref)
-            return acc_ref[...]
           if interpret:      # the interpreter's wgmma takes no register operand
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.dot(
                 p16, v_smem[slot_of(j)], preferred_element_type=jnp.float32)
             then()
             return acc
-          if pv_in_place:    # O = alpha * O, then O += P V inside the accumulator
-            return pl.run_state(pv)(plgpu.ACC.init(acc))
-          # a fresh accumulator, then O = alpha * O + P V (one FMA)
-          return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-              pv_fresh, plgpu.ACC((bq, H), jnp.float32))
+          return pl.run_state(pv)(plgpu.ACC.init(acc))   # O += P V inside the accumulator
 
         def body(j, carry, masked):
           acc, m_i, l_i = carry
@@ -833,7 +782,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           if interpret:
             acc = pv_product(j, acc, p16, alpha, then=lambda: wait_k(j + 1))
             s = scores(j + 1)
-          else:              # pv_in_place (MosaicConfig checks it)
+          else:
             def products(refs):
               acc_ref, s_ref = refs
               plgpu.wgmma(acc_ref, p16, v_smem.at[slot_of(j)])
@@ -880,76 +829,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         pl.when(wg == 0)(schedule_turn)   # balance the stagger
         return carry
 
-      def overlapped(acc, m_i, l_i):
-        """The key tiles, each consumer overlapping its own softmax of tile u with its
-        P V product of tile u - 1 (FlashAttention-3, 3.2, Algorithm 2): S_u and P V_(u-1)
-        are issued together, S_u is waited for alone (the products complete in issue
-        order), and tile u's softmax runs while P V_(u-1) is in flight. alpha in the
-        carry rescales O before tile u - 1's P V is added: O_(u-1) = alpha_(u-1) O_(u-2)
-        + P_(u-1) V_(u-1). The first tile is taken as masked (it may be a boundary
-        tile); every K tile is released as soon as its S is read."""
-        def scores(u):
-          if interpret:    # the interpreter's wgmma takes no transposed operand
-            return jnp.dot(q_smem[...], k_smem[slot_of(u)].T, preferred_element_type=jnp.float32)
-          def qk(s_ref):
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(u)], (1, 0)))
-            return s_ref[...]
-          return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-
-        def first(u, carry):
-          acc, _, _, m_i, l_i = carry
-          plgpu.barrier_wait(k_loaded.at[slot_of(u)])
-          s = scores(u)
-          plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
-          return (acc, *online_softmax(s, u, True, m_i, l_i))
-
-        def step(u, carry, masked):
-          acc, p16, alpha, m_i, l_i = carry
-          plgpu.barrier_wait(k_loaded.at[slot_of(u)])
-          plgpu.barrier_wait(v_loaded.at[slot_of(u - 1)])
-          if interpret:    # products one after the other, plain dots
-            s = scores(u)
-            plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
-            new = online_softmax(s, u, masked, m_i, l_i)
-            pv = jnp.dot(p16, v_smem[slot_of(u - 1)], preferred_element_type=jnp.float32)
-          else:
-            def products(s_ref, pv_ref):
-              plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(u)], (1, 0)))
-              plgpu.wgmma(pv_ref, p16, v_smem.at[slot_of(u - 1)])
-              s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # P V still in flight
-              plgpu.barrier_arrive(k_consumed.at[slot_of(u)])
-              new = online_softmax(s, u, masked, m_i, l_i)
-              return new, plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-            new, pv = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32),
-                                    plgpu.ACC((bq, H), jnp.float32))
-          plgpu.barrier_arrive(v_consumed.at[slot_of(u - 1)])
-          return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, *new)
-
-        def last(u, carry):
-          acc, p16, alpha, m_i, l_i = carry
-          plgpu.barrier_wait(v_loaded.at[slot_of(u)])
-          if interpret:
-            pv = jnp.dot(p16, v_smem[slot_of(u)], preferred_element_type=jnp.float32)
-          else:
-            def product(pv_ref):
-              plgpu.wgmma(pv_ref, p16, v_smem.at[slot_of(u)])
-              return pv_ref[...]
-            pv = pl.run_scoped(product, plgpu.ACC((bq, H), jnp.float32))
-          plgpu.barrier_arrive(v_consumed.at[slot_of(u)])
-          return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, p16, alpha, m_i, l_i
-
-        p16 = cast(jnp.zeros((bq, bk), dtype), wgmma_layout)
-        carry = (acc, p16, cast(jnp.ones((bq,), jnp.float32), row_layout), m_i, l_i)
-        carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
-        start = lo + 1                   # tiles lo + 1 .. hi - 1, in their classes
-        bounds = (start, jnp.maximum(start, full_lo), jnp.maximum(start, full_hi), hi)
-        for (a, z), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
-          carry = lax.fori_loop(a, jnp.maximum(a, z), functools.partial(step, masked=masked),
-                                carry)
-        acc, _, _, m_i, l_i = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
-        return acc, m_i, l_i
-
-      acc, m_i, l_i = (overlapped if config.overlap else sequential)(acc, m_i, l_i)
+      acc, m_i, l_i = sequential(acc, m_i, l_i)
 
       # Normalise once (FlashAttention-2, section 3.1.1). A row that saw no key returns
       # 0 and lse = -inf; a NaN sum stays NaN.
@@ -1003,16 +883,16 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     lax.fori_loop(jnp.maximum(0, total - stages), total, drain, None)
 
 
-def compiler_params(semantics: str):
-  """approx_math: exp2 and tanh from the multi-function unit's approximations;
-  `semantics` ("lane" or "warpgroup") pinned, since jax 0.11 changed the default;
-  no shared-memory scratch for reductions: every reduction here is along the rows of
-  a warpgroup matrix-product tile, whose elements sit in the four lanes of one quad
-  (PTX ISA, wgmma register fragments), so it needs only warp shuffles."""
+def compiler_params():
+  """approx_math: exp2 and tanh from the multi-function unit's approximations; the
+  "lane" lowering semantics pinned (explicit register layouts, as these kernels are
+  written; jax 0.11 made "warpgroup" the default); no shared-memory scratch for
+  reductions: every reduction here is along the rows of a warpgroup matrix-product
+  tile, whose elements sit in the four lanes of one quad (PTX ISA, wgmma register
+  fragments), so it needs only warp shuffles."""
   plgpu = _plgpu()
-  semantics = {"lane": plgpu.LoweringSemantics.Lane,
-               "warpgroup": plgpu.LoweringSemantics.Warpgroup}[semantics]
-  return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
+  return plgpu.CompilerParams(approx_math=True,
+                              lowering_semantics=plgpu.LoweringSemantics.Lane,
                               reduction_scratch_bytes=0)
 
 
@@ -1089,7 +969,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   kernel = functools.partial(
       _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
       items_grid=items_grid, num_ctas=num_ctas,
-      dtype=q.dtype, interpret=interpret, pv_in_place=config.pv_in_place and not interpret)
+      dtype=q.dtype, interpret=interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -1103,7 +983,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       grid_names=grid_names,
       num_threads=C + 1,
       thread_name="wg",
-      compiler_params=compiler_params(config.semantics),
+      compiler_params=compiler_params(),
       **extra,
   )(qp, kp, vp, ranges, *per_consumer.values(), *seg.values())
   # XLA's dynamic-slice fusion (jax 0.11) folds a dynamic-update-slice of a custom
