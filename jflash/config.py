@@ -173,8 +173,7 @@ class MosaicGPUConfig(BackendConfig):
     # The kernels' rules live with their own records: building one from the fields set
     # here checks each (their combination with the call's shapes is checked when the
     # call's config is built, `jflash.mosaic_impl`).
-    from pallas_kernels.mosaic_gpu.backward import BackwardConfig
-    from pallas_kernels.mosaic_gpu.forward import MosaicConfig
+    from pallas_kernels.mosaic_gpu.configs import BackwardConfig, MosaicConfig
     try:
       BackwardConfig(**self.backward_fields())
     except ValueError as e:   # the kernel record's field names, as named here

@@ -6,8 +6,9 @@ lse) this forward returns and the same mask records; `backward_kind` picks per c
 
 The one adapter between jflash's vocabulary and the kernel's own records: `Masks` ->
 pallas_kernels.masking's MaskOptions / MaskOperands (through `kernel_records`, the
-same per-tile schedule as the Triton kernels), `MosaicGPUConfig` ->
-pallas_kernels.mosaic_gpu.forward.MosaicConfig.
+same per-tile schedule as the Triton kernels), `MosaicGPUConfig` -> the forward's
+`MosaicConfig` and the backward's `BackwardConfig` (pallas_kernels/mosaic_gpu/configs.py),
+each the caller's fields over the heuristics' choices (heuristics.py).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from jflash.config import MosaicGPUConfig
 from jflash.derivatives import first_order_only
 from jflash.masks import Masks, kernel_records
 from jflash.platforms import device_capability, is_hopper
-from pallas_kernels.mosaic_gpu import backward as _bwd
-from pallas_kernels.mosaic_gpu import forward as _fwd
+from pallas_kernels.mosaic_gpu import configs, heuristics
+from pallas_kernels.mosaic_gpu.backward import flash_backward
+from pallas_kernels.mosaic_gpu.forward import flash_forward
 
 # The device kinds (jflash.platforms.device_kinds) where `implementation=None` tries
 # this implementation, before those preferred on less specific kinds.
@@ -32,10 +34,10 @@ PREFERRED_ON = ("hopper",)
 UNSUPPORTED_MASKS = ("mask", "bias", "dropout_rate", "dropout_seed", "causal_alignment")
 
 
-def kernel_config(q, cfg, masks: Masks) -> _fwd.MosaicConfig:
+def kernel_config(q, cfg, masks: Masks) -> configs.MosaicConfig:
   """The caller's MosaicGPUConfig forward fields over the heuristics' config for
   (head_dim, causal, query length)."""
-  config = _fwd.default_config(q.shape[-1], masks.is_causal, q.shape[1])
+  config = heuristics.default_config(q.shape[-1], masks.is_causal, q.shape[1])
   own = cfg.backend_config(MosaicGPUConfig)
   fields = own.forward_fields_set() if own is not None else {}
   if "consumers" in fields:   # the table's registers go with its own count
@@ -59,17 +61,17 @@ def check_call(q, k, v, cfg, masks: Masks, *, platform: str, capability: str | N
   lacking = [name for name in masks.in_use() if name in UNSUPPORTED_MASKS]
   if lacking:
     raise NotImplementedError(f"mosaic_gpu has no {', '.join(lacking)}")
-  _fwd.check_supported(q, k, v, kernel_config(q, cfg, masks))
+  configs.check_forward(q, k, v, kernel_config(q, cfg, masks))
   if backward_kind(q, k, cfg, masks) == "mosaic_gpu":
-    _bwd.check_supported(q, k, v, backward_config(q, k, cfg, masks))
+    configs.check_backward(q, k, v, backward_config(q, k, cfg, masks))
 
 
-def backward_config(q, k, cfg, masks: Masks) -> _bwd.BackwardConfig:
+def backward_config(q, k, cfg, masks: Masks) -> configs.BackwardConfig:
   """The Mosaic GPU backward's config for the call: the caller's backward fields over
   the heuristics' choices for the call's shapes (`call_config`)."""
   own = cfg.backend_config(MosaicGPUConfig)
   fields = own.backward_fields() if own is not None else {}
-  return _bwd.call_config(q.shape, k.shape, q.dtype.itemsize, causal=masks.is_causal,
+  return heuristics.call_config(q.shape, k.shape, q.dtype.itemsize, causal=masks.is_causal,
                           **fields)
 
 
@@ -84,10 +86,10 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     return "mosaic_gpu"
   config = backward_config(q, k, cfg, masks)
   try:      # the heuristics' config cannot run the call (head_dim, dtype): Triton's
-    _bwd.check_supported(q, k, k, config)
+    configs.check_backward(q, k, k, config)
   except NotImplementedError:
     return "pallas"
-  wins = _bwd.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal, config=config)
+  wins = heuristics.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal, config=config)
   return "mosaic_gpu" if wins else "pallas"
 
 
@@ -103,7 +105,7 @@ def forward(q, k, v, cfg, masks: Masks):
 
   def fwd(q, k, v, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
-    out, lse = _fwd.flash_forward(q, k, v, scale=cfg.scale, opts=opts, ops=ops,
+    out, lse = flash_forward(q, k, v, scale=cfg.scale, opts=opts, ops=ops,
                                   config=config, interpret=interpret)
     if masks.q_lengths is not None:
       # Rows past the query length return zeros and lse = -inf (jax.nn semantics); the
@@ -124,7 +126,7 @@ def backward(q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
 
   def bwd(q, k, v, out, lse, dout, dlse, masks):
     opts, ops = kernel_records(masks, B=q.shape[0], T=q.shape[1], S=k.shape[1])
-    return _bwd.flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
+    return flash_backward(q, k, v, out, lse, dout, dlse, scale=cfg.scale, opts=opts,
                                ops=ops, config=backward_config(q, k, cfg, masks),
                                interpret=interpret)
   return first_order_only(bwd, "the mosaic_gpu backward kernels")(

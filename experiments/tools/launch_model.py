@@ -46,7 +46,7 @@ def tile_group_order(blocks: int, heads: int, batch: int, group: int):
   `item_coords`: levels in groups of `group`, the level fastest inside a group, then
   heads, then batch."""
   import jax.numpy as jnp
-  from pallas_kernels.mosaic_gpu.forward import item_coords
+  from pallas_kernels.mosaic_gpu.scheduler import item_coords
   n = blocks * heads * batch
   coords = item_coords(jnp.arange(n, dtype=jnp.int32), (blocks, heads, batch), True, group)
   return list(zip(*(map(int, c) for c in coords)))

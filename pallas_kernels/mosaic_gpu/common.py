@@ -1,0 +1,215 @@
+"""Shared pieces of the Hopper kernels: hardware limits, shared-memory layouts, tails,
+the compile options, register layouts and the per-tile softmax algebra of the backward.
+
+Every other module of the package imports from here; this one imports none of them.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.common import round_up
+from pallas_kernels.masking import MaskOptions
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Head dims: multiples of HEAD_DIM_STEP up to MAX_HEAD_DIM. Q, K, V and O sit in shared
+# memory as atoms of 8 rows by one swizzle width (128, 64 or 32 bytes), the layout the
+# copy engine writes and the tensor cores read (PTX ISA, wgmma: matrix descriptors and
+# swizzling modes), and a row of head_dim elements must fill whole atoms: 16 elements at
+# 2 bytes is the narrowest (`smem_layout`). 256 is the largest N of one warpgroup product
+# (O += P V is [64, head_dim]).
+HEAD_DIM_STEP, MAX_HEAD_DIM = 16, 256
+# The tiers of tiles: a head dim takes the tiles of the next one up (`table_head_dim`),
+# whose registers and shared memory it needs at most.
+TABLE_HEAD_DIMS = (64, 128, 256)
+SWIZZLES = (128, 64, 32)            # bytes per row of a swizzle atom, widest first
+DTYPES = (jnp.bfloat16, jnp.float16)
+SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
+# Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef): a
+# pipeline's per-slot barriers of one kind are one group.
+MAX_BARRIERS = 32
+# Shared memory beside the tiles: the mbarriers (8 bytes each) and the alignment of
+# each swizzled buffer to its swizzle atom (1024 bytes at the widest swizzle).
+SMEM_SLACK = 1024
+# Pallas places each shared-memory buffer at a 1024-byte boundary.
+SMEM_ALIGN = 1024
+ROWS = 64        # M of one warpgroup matrix product: a consumer's rows
+# Rows of the shared-memory tiling (one swizzle atom per 8 rows, `smem_layout`) that
+# Mosaic GPU lays a tensor map's box over: the map's row count must be a
+# multiple of it.
+TMA_ROWS = 8
+
+# Registers per thread: a launch of n warpgroups gets 65536 / (128 n) each, rounded down
+# to the allocation unit of 8 (168 for three warpgroups, 128 for four), and `setmaxnreg`
+# only moves registers between warpgroups inside that pool; it can raise a count only
+# above the launch's, and the producer, which issues copies and waits on barriers, keeps
+# at least 24, setmaxnreg's lower bound (PTX ISA, setmaxnreg). The JAX and tokamax
+# kernels split 232/232/40; FlashAttention-3 (hopper/flash_fwd_kernel_sm90.h) 240/240/24
+# with two consumers and 160/160/160/32 with three.
+MIN_REGISTERS = 24
+DEFAULT_CONSUMER_REGISTERS = {2: 232, 3: 160}
+
+
+def launch_registers(consumers: int) -> int:
+  return 65536 // (128 * (consumers + 1)) // 8 * 8
+
+
+def register_split(consumers: int, consumer_registers: int | None = None) -> tuple[int, int]:
+  """(registers per consumer thread, per producer thread) after `setmaxnreg` for
+  `consumers` consumer warpgroups at `consumer_registers` (None: the default)."""
+  c = DEFAULT_CONSUMER_REGISTERS[consumers] if consumer_registers is None else consumer_registers
+  return c, launch_registers(consumers) * (consumers + 1) - consumers * c
+
+
+def import_plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # imported where it is used
+  return plgpu
+
+
+def load_vector(ref, layout, interpret):
+  """A 1-D slice of a GMEM (or SMEM) ref in a register layout. The interpreter has no
+  `plgpu.load`; the plain read gives the same values there."""
+  if interpret:
+    return ref[...]
+  plgpu = import_plgpu()
+  if "idx" in inspect.signature(plgpu.load).parameters and \
+      inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=False)   # jax 0.10: idx positional
+  # optimized=False: plain loads (the optimized path reads SMEM only, in its own layouts).
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def head_dim_error(head_dim: int, what: str = "forward") -> str | None:
+  """Why the Mosaic GPU kernel called `what` cannot run `head_dim`, or None."""
+  if head_dim % HEAD_DIM_STEP or not 0 < head_dim <= MAX_HEAD_DIM:
+    return (f"the Mosaic GPU {what} supports head_dim a multiple of {HEAD_DIM_STEP} up to "
+            f"{MAX_HEAD_DIM}, got {head_dim}")
+  return None
+
+
+def table_head_dim(head_dim: int) -> int:
+  """The tuned head dim whose table entry `head_dim` takes: the next one up."""
+  why = head_dim_error(head_dim)
+  if why:
+    raise NotImplementedError(why)
+  return next(d for d in TABLE_HEAD_DIMS if d >= head_dim)
+
+
+def check_head_dim_and_dtype(q, what: str):
+  """NotImplementedError naming a head_dim the kernel called `what` cannot run
+  (`head_dim_error`) or a dtype other than bf16/fp16."""
+  why = head_dim_error(q.shape[-1], what)
+  if why:
+    raise NotImplementedError(why)
+  if not any(q.dtype == d for d in DTYPES):
+    raise NotImplementedError(
+        f"the Mosaic GPU {what} supports bfloat16 and float16, got {q.dtype}")
+
+
+def check_shared_memory(config, head_dim: int, need: int):
+  """NotImplementedError naming a config whose programs need more than SMEM_BYTES."""
+  if need > SMEM_BYTES:
+    raise NotImplementedError(
+        f"{config} at head_dim={head_dim} needs {need} bytes of shared memory (> {SMEM_BYTES})")
+
+
+def swizzle_bytes(cols: int, itemsize: int) -> int:
+  """The widest swizzle whose rows a row of `cols` elements fills whole (`SWIZZLES`)."""
+  row = cols * itemsize
+  for swizzle in SWIZZLES:
+    if row % swizzle == 0:
+      return swizzle
+  raise NotImplementedError(f"rows of {cols} x {itemsize} bytes fill no swizzle of {SWIZZLES}")
+
+
+def smem_layout(cols: int, itemsize: int) -> dict:
+  """The transforms of a shared-memory tile whose rows hold `cols` elements: tiles of
+  TMA_ROWS rows by one swizzle row (`swizzle_bytes`). The two shared-memory operands of
+  one warpgroup product must share the swizzle, so every tile a product reads beside
+  Q, K, V or dO takes the head dim's (a [64, 64] tile fits any of them)."""
+  plgpu = import_plgpu()
+  swizzle = swizzle_bytes(cols, itemsize)
+  return dict(transforms=(plgpu.TilingTransform((TMA_ROWS, swizzle // itemsize)),
+                          plgpu.SwizzleTransform(swizzle)))
+
+
+def map_rows(n: int, tile: int, interpret: bool) -> int:
+  """The rows an operand of n rows is padded to in HBM before the kernel's tensor maps
+  are built over it: the next multiple of TMA_ROWS, for the copy engine bounds the
+  copies past it (a box's rows past the end load as zeros and are not stored; CUDA
+  programming guide, tensor memory access), or, under Mosaic GPU's interpreter, which
+  does not model those bounds (and hangs on such a copy), whole tiles of `tile` rows."""
+  return round_up(n, tile) if interpret else round_up(n, TMA_ROWS)
+
+
+def pad_axis(x, n: int, axis: int, fill=0):
+  """x zero-padded (or `fill`-padded) along `axis` to length n (no copy when it has n)."""
+  if x.shape[axis] == n:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def compiler_params():
+  """approx_math: exp2 and tanh from the multi-function unit's approximations; the
+  "lane" lowering semantics pinned (explicit register layouts, as these kernels are
+  written; jax 0.11 made "warpgroup" the default); no shared-memory scratch for
+  reductions: every reduction here is along the rows of a warpgroup matrix-product
+  tile, whose elements sit in the four lanes of one quad (PTX ISA, wgmma register
+  fragments), so it needs only warp shuffles."""
+  plgpu = import_plgpu()
+  return plgpu.CompilerParams(approx_math=True,
+                              lowering_semantics=plgpu.LoweringSemantics.Lane,
+                              reduction_scratch_bytes=0)
+
+
+def layouts(interpret, shape):
+  """(iota, row layout, column layout) of a [rows, cols] accumulator tile."""
+  if interpret:
+    return (lambda d: lax.broadcasted_iota(jnp.int32, shape, d)), None, None
+  plgpu = import_plgpu()
+  wgmma = plgpu.Layout.WGMMA
+  return (lambda d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma),
+          wgmma.reduce(1), wgmma.reduce(0))
+
+
+def tile_row(ranges, b, i):
+  """(lo, full_lo, full_hi, hi) of one block's row of the per-tile schedule."""
+  return tuple(ranges[b, i, t] for t in range(4))
+
+
+def logits(s, opts: MaskOptions, scale):
+  """(s, t, c): base-2 logits are s * c; t = tanh of the soft cap (for its derivative)
+  or None. As in the forward, a soft cap or a scale <= 0 is applied to s first."""
+  if opts.soft_cap is not None:
+    t = jnp.tanh(s * (scale / opts.soft_cap))
+    return opts.soft_cap * t, t, LOG2E
+  if scale * LOG2E > 0:
+    return s, None, scale * LOG2E
+  return s * scale, None, LOG2E
+
+
+def tile_p(s, lse2, *, opts, scale, keep):
+  """(P, t) of one tile from the raw product s and the per-query lse2 (broadcast to the
+  tile); t is the soft cap's tanh (for dS') or None. A hidden key has P = 0 even on a
+  row whose lse is NaN, so a NaN reaches only the gradients of the keys its row sees."""
+  s, t, c = logits(s, opts, scale)
+  if keep is not None:
+    s = jnp.where(keep, s, -jnp.inf)
+  p = jnp.exp2(s * c - lse2)      # lse2 = +inf on rows with no visible key: P = 0
+  if keep is not None:
+    p = jnp.where(keep, p, 0.0)
+  return p, t
+
+
+def tile_ds(p, t, dp, delta):
+  """dS' = P * (dP - delta), times the soft cap's derivative 1 - tanh^2."""
+  ds = p * (dp - delta)
+  if t is not None:
+    ds = ds * (1.0 - t * t)       # d(cap tanh(x / cap)) / dx
+  return ds
