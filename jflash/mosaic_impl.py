@@ -84,8 +84,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     return own.backward
   if own is not None and own.backward_fields():
     return "mosaic_gpu"
-  config = backward_config(q, k, cfg, masks)
   try:      # the heuristics' config cannot run the call (head_dim, dtype): Triton's
+    config = backward_config(q, k, cfg, masks)
     configs.check_backward(q, k, k, config)
   except NotImplementedError:
     return "pallas"

@@ -34,11 +34,15 @@ TEST_BLOCKS = (32, 32)
 
 
 def tile_config(implementation, block_q, block_k):
-  """One tile shape as the implementation's own config (None for one without tiles)."""
+  """One tile shape as the implementation's own config (None for one without tiles).
+  "mosaic_gpu" takes its heuristics' tiles (they are what runs) and its own backward
+  (the heuristics would pick the Triton one at these lengths)."""
   if implementation == "pallas":
     return jflash.PallasConfig(block_q, block_k, block_q, block_k, block_q, block_k)
   if implementation == "xla_chunked":
     return jflash.ChunkedConfig(block_k)
+  if implementation == "mosaic_gpu":
+    return jflash.MosaicGPUConfig(backward="mosaic_gpu")
   return None
 
 
@@ -121,7 +125,20 @@ class TransformationTests:
 
 class AttentionTestBase(TransformationTests):
   """Accuracy against the float64 truth under the rule, edge cases, and (inherited) the
-  transformations."""
+  transformations. An implementation that computes in fewer dtypes names them in
+  `input_dtypes` (the tests of the others skip, saying so), and one with fewer head dims
+  its own `half_shapes`."""
+
+  input_dtypes = (jnp.float32, F64, jnp.bfloat16, jnp.float16)
+  half_shapes = (SHAPES[2], SHAPES[3])
+
+  def require(self, *dtypes):
+    """Skips the test unless the implementation computes in every one of `dtypes`."""
+    missing = [jnp.dtype(d).name for d in dtypes if d not in self.input_dtypes]
+    if missing:
+      pytest.skip(f"{self.implementation} computes in "
+                  f"{', '.join(jnp.dtype(d).name for d in self.input_dtypes)} only, not "
+                  f"{', '.join(missing)}")
 
   def assert_within_rule(self, got, plain, ref, dtype, what, length=None):
     err, err_plain = max_err(got, ref), max_err(plain, ref)
@@ -134,6 +151,7 @@ class AttentionTestBase(TransformationTests):
   @pytest.mark.parametrize("shape", SHAPES, ids=str)
   @pytest.mark.parametrize("is_causal", [False, True])
   def test_matches_reference_float32(self, shape, is_causal):
+    self.require(jnp.float32)
     q, k, v, do = random_qkv(shape, jnp.float32)
     ref = jflash.attention_numpy(q, k, v, is_causal=is_causal, dout=do)
     got = self.fwd_bwd(lambda *a: self.attn(*a, is_causal=is_causal), q, k, v, do)
@@ -144,9 +162,10 @@ class AttentionTestBase(TransformationTests):
     assert got[0].dtype == jnp.float32
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-  @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]], ids=str)
+  @pytest.mark.parametrize("which", [0, 1])
   @pytest.mark.parametrize("is_causal", [False, True])
-  def test_matches_reference_half(self, dtype, shape, is_causal):
+  def test_matches_reference_half(self, dtype, which, is_causal):
+    shape = self.half_shapes[which]
     q, k, v, do = random_qkv(shape, dtype, seed=1)
     ref = jflash.attention_numpy(q, k, v, is_causal=is_causal, dout=do)
     got = self.fwd_bwd(lambda *a: self.attn(*a, is_causal=is_causal), q, k, v, do)
@@ -158,6 +177,7 @@ class AttentionTestBase(TransformationTests):
 
   @pytest.mark.parametrize("is_causal", [False, True])
   def test_float64_exact(self, is_causal):
+    self.require(F64)
     with jax.enable_x64(True):
       q, k, v, do = random_qkv((1, 70, 45, 4, 2, 24), F64, seed=2)
       ref = jflash.attention_numpy(q, k, v, is_causal=is_causal, dout=do)
@@ -172,6 +192,7 @@ class AttentionTestBase(TransformationTests):
   def test_any_finite_scale(self, scale):
     # The kernels fold a positive scale into exp2's argument after taking the row max;
     # zero and negative scales take the explicit multiply. Both exact in float64.
+    self.require(F64)
     with jax.enable_x64(True):
       q, k, v, do = random_qkv((1, 40, 37, 2, 2, 16), F64, seed=9)
       ref = jflash.attention_numpy(q, k, v, scale=scale, is_causal=True, dout=do)
@@ -182,6 +203,7 @@ class AttentionTestBase(TransformationTests):
   def test_lse_and_its_gradient(self):
     # lse is an output too: its cotangent folds into delta. Compared with autodiff of
     # the materialising implementation in float64.
+    self.require(F64)
     with jax.enable_x64(True):
       q, k, v, _ = random_qkv((1, 50, 61, 2, 1, 16), F64, seed=3)
       w = jnp.asarray(np.random.default_rng(4).standard_normal((1, 2, 50)))
@@ -196,6 +218,7 @@ class AttentionTestBase(TransformationTests):
 
   @pytest.mark.parametrize("dtype", [jnp.float32, F64], ids=["float32", "float64"])
   def test_check_grads(self, dtype):
+    self.require(dtype)
     with jax.enable_x64(dtype == F64):
       q, k, v, _ = random_qkv((1, 19, 23, 2, 1, 8), dtype, seed=5)
       f = lambda q, k, v: self.attn(q, k, v, is_causal=True)
@@ -206,6 +229,7 @@ class AttentionTestBase(TransformationTests):
 
   def test_all_equal_inputs(self):
     # Every logit equal: softmax is uniform and out equals v's (constant) rows exactly.
+    self.require(jnp.float32)
     q = jnp.full((1, 77, 2, 32), 0.3, jnp.float32)
     v = jnp.full((1, 91, 2, 32), -1.25, jnp.float32)
     for causal in (False, True):
@@ -219,6 +243,7 @@ class AttentionTestBase(TransformationTests):
   @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
   def test_huge_logits(self, dtype):
     # Logits of order +-1e4: exp would overflow without the running max.
+    self.require(dtype)
     q, k, v, do = random_qkv((1, 65, 81, 2, 2, 16), dtype, seed=6, scale=50.0)
     ref = jflash.attention_numpy(q, k, v, dout=do)
     assert np.abs(np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64),

@@ -135,10 +135,16 @@ FULLY_MASKED_CASES = ("mask", "bias+mask", "lengths", "segments", "lengths+segme
 
 def pytest_generate_tests(metafunc):
   """Per-class case lists (pytest's documented per-class parametrization): a test
-  module that subclasses MaskTestBase imports this hook."""
-  for arg, attr in (("float32_case", "float32_cases"), ("masked_case", "fully_masked_cases")):
+  module that subclasses MaskTestBase imports this hook. An empty list is one skipped
+  case that says why (the class's `no_cases_reason`)."""
+  for arg, attr in (("float32_case", "float32_cases"), ("masked_case", "fully_masked_cases"),
+                    ("half_case", "half_cases")):
     if arg in metafunc.fixturenames:
-      metafunc.parametrize(arg, getattr(metafunc.cls, attr))
+      cases = getattr(metafunc.cls, attr)
+      if not cases:
+        reason = metafunc.cls.no_cases_reason.get(attr, f"no {attr}")
+        cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason))]
+      metafunc.parametrize(arg, cases)
 
 
 @functools.cache
@@ -255,7 +261,13 @@ def _f64(x):
 class MaskTestBase:
   implementation: str = ""
   float32_cases: tuple[str, ...] = FLOAT32_CASES
+  half_cases: tuple[str, ...] = tuple(BF16_CASES)
   fully_masked_cases: tuple[str, ...] = FULLY_MASKED_CASES
+  padded_cases: tuple[str, ...] = tuple(PADDED_CASES)
+  # The dtype of the fully-masked and NaN-padding cases (one the implementation takes).
+  dtype_name: str = "float32"
+  dropout: bool = True          # whether the implementation has dropout
+  no_cases_reason: dict = {}    # why a case list is empty, by its attribute's name
 
   # -- the tolerance rule ------------------------------------------------------------
 
@@ -298,18 +310,18 @@ class MaskTestBase:
     has_bias = "bias" in case_inputs(name, dtype_name)[4]
     assert (got[5] is not None) == has_bias, f"{what}: dbias presence"
 
-  def run_case(self, name, dtype_name="float32", inputs=None):
+  def run_case(self, name, dtype_name=None, inputs=None):
+    dtype_name = dtype_name or self.dtype_name
     q, k, v, do, arrays = inputs or case_inputs(name, dtype_name)
     return jax.device_get(case_fn(self.implementation, name, dtype_name)(q, k, v, do, arrays))
 
   # -- every option and the main pairs against float64 --------------------------------
 
   def test_matches_reference_float32(self, float32_case):
-    self.check_all(float32_case, "float32", self.run_case(float32_case))
+    self.check_all(float32_case, "float32", self.run_case(float32_case, "float32"))
 
-  @pytest.mark.parametrize("name", BF16_CASES)
-  def test_matches_reference_bfloat16(self, name):
-    self.check_all(name, "bfloat16", self.run_case(name, "bfloat16"))
+  def test_matches_reference_bfloat16(self, half_case):
+    self.check_all(half_case, "bfloat16", self.run_case(half_case, "bfloat16"))
 
   # -- fully masked rows and NaN padding ------------------------------------------------
 
@@ -327,15 +339,16 @@ class MaskTestBase:
     for g in (out, dq, dk, dv):
       assert np.all(np.isfinite(np.asarray(g)))
 
-  @pytest.mark.parametrize("name", PADDED_CASES)
-  def test_nan_in_padding_does_not_leak(self, name):
+  @pytest.mark.parametrize("which", range(len(PADDED_CASES)))
+  def test_nan_in_padding_does_not_leak(self, which):
     # The truth does not depend on what padding holds, so NaN padding must give the
     # same results (valid rows, padded rows' zeros, zero gradients for padding).
-    q, k, v, do, arrays = case_inputs(name, "float32")
+    name = self.padded_cases[which]
+    q, k, v, do, arrays = case_inputs(name, self.dtype_name)
     qn, kn, vn = with_nan_padding(q, k, v, arrays)
     assert np.isnan(np.asarray(qn)).any() and np.isnan(np.asarray(kn)).any()
     got = self.run_case(name, inputs=(qn, kn, vn, do, arrays))
-    self.check_all(name, "float32", got, tag=" (NaN padding)")
+    self.check_all(name, self.dtype_name, got, tag=" (NaN padding)")
     for x, lengths, g in ((q, arrays["query_seq_lengths"], got[2]),
                           (k, arrays["key_value_seq_lengths"], got[3]),
                           (v, arrays["key_value_seq_lengths"], got[4])):
@@ -344,7 +357,13 @@ class MaskTestBase:
 
   # -- dropout ---------------------------------------------------------------------------
 
+  def require_dropout(self):
+    if not self.dropout:
+      pytest.skip(f"{self.implementation} has no dropout (NotImplementedError, tested "
+                  "with its refusals)")
+
   def test_dropout_same_key_bit_identical_different_key_differs(self):
+    self.require_dropout()
     name = "dropout+causal"
     q, k, v, do, arrays = case_inputs(name, "float32")
     first = self.run_case(name)
@@ -367,6 +386,7 @@ class MaskTestBase:
   def test_dropout_rate_zero_is_no_dropout(self):
     # The same program, forward and backward, equation for equation: so bit-identical
     # results, without compiling both (seconds per kernel in interpret mode).
+    self.require_dropout()
     q, k, v, do = (x[:1, :40, :2] for x in case_inputs("dropout+causal", "float32")[:4])
     k, v = k[:, :, :1], v[:, :, :1]
 
@@ -394,6 +414,7 @@ class MaskTestBase:
     # q = 0 makes every probability exactly 1/S, and one-hot values (v[j] = e_j, H = S)
     # make out[b, i, n, j] = Z[b, n, i, j] / (S (1 - rate)): the kernel's own keep mask,
     # read back exactly and compared with the explicit one of the same hash.
+    self.require_dropout()
     B, T, S, N, K, rate = 2, 256, 64, 4, 2, 0.3
     q = jnp.zeros((B, T, N, S), jnp.float32)
     k = jnp.zeros((B, S, K, S), jnp.float32)

@@ -1,23 +1,22 @@
-"""The "mosaic_gpu" implementation (Hopper forward on Pallas Mosaic GPU) on a CPU.
+"""The "mosaic_gpu" implementation (Hopper kernels on Pallas Mosaic GPU): the shared test
+bases, the config and its dispatch, the heuristics as properties, the forward kernel.
 
-Three levels, all on the CI machine:
-- host side: which calls the implementation accepts and why it refuses the others,
-  dispatch and fallback, the Hopper default order, tile validation;
-- lowering: the kernel's Pallas program lowers to the Mosaic GPU dialect for CUDA
-  (cross-platform lowering; nothing runs), for every head dim and every mask path;
-- interpretation: the same kernel run by Mosaic GPU's own interpreter (simulated shared
-  memory, barriers, bulk copies and three or four warpgroups) against the float64
-  reference.
-  The interpreter has no in-register or transposed matrix-product operands and no layout
-  casts, so there the two products are plain dots; the schedule, the slot barriers, the
-  producer's refills, masks, tails and the normalisation are the kernel's own.
+Off a GPU the kernels run under Mosaic GPU's own interpreter, on a Hopper GPU compiled:
+the same tests, one command (tests/mosaic_support.py):
+
+  python -m pytest -q tests/test_mosaic.py tests/test_mosaic_backward.py
+
+The interpreter has no in-register or transposed matrix-product operands and no layout
+casts, so there the products are plain dots; the schedule, the slot barriers, the
+producer's refills, masks, tails and the normalisation are the kernel's own. Lowering
+tests lower the default kernels for CUDA (no GPU needed) and check what the compiled
+program must hold.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
-import re
 import types
 
 import jax
@@ -29,28 +28,73 @@ import jflash
 from jflash import api, mosaic_impl
 from jflash.masks import Masks, dense_keep_numpy, kernel_records
 from pallas_kernels.masking import MaskOperands, MaskOptions
+from pallas_kernels.mosaic_gpu import common, configs, heuristics, scheduler
 from pallas_kernels.mosaic_gpu import forward as mf
-from tests.attention_test_base import floor, max_err, random_qkv
+from tests.attention_test_base import AttentionTestBase, random_qkv
+from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
+from tests.mask_test_base import pytest_generate_tests  # noqa: F401  (per-class case lists)
+from tests.mosaic_support import on_hopper  # noqa: F401  (the fixture, used by name)
+from tests.mosaic_support import (INTERPRET, check_forward, check_grads, kernel_modules,
+                                  lowered, off_gpu_only, register_counts)
 
-
-def _prepared(q, k, v, **kw):
-  """(cfg, masks) of one call, as jflash.attention builds them."""
-  return jflash.prepare(q, k, v, **kw)
+HOPPER = dict(platform="gpu", capability="9.0")
+# Head dims of every tier (16-64, 80-128, 144-256) and each swizzle width.
+HEAD_DIMS = tuple(range(16, 257, 16))
 
 
 def _qkv(H=64, dtype=jnp.bfloat16, T=16, S=16, N=2, K=1):
   return random_qkv((1, T, S, N, K, H), dtype)[:3]
 
 
-# -- host side ----------------------------------------------------------------------------
+def _shape(B, T, N, H, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct((B, T, N, H), dtype)
 
-HOPPER = dict(platform="gpu", capability="9.0")
 
+# -- the shared test bases ----------------------------------------------------------------
+
+@pytest.mark.usefixtures("on_hopper")
+class TestMosaicGPU(AttentionTestBase):
+  """Forward and the Mosaic GPU backward through jflash.attention (`tile_config`: the
+  heuristics' tiles, backward="mosaic_gpu"): bf16 and fp16, head dims of each tier."""
+
+  implementation = "mosaic_gpu"
+  input_dtypes = (jnp.bfloat16, jnp.float16)
+  half_shapes = ((1, 113, 203, 4, 2, 64),     # T < S, GQA 2
+                 (1, 203, 113, 4, 1, 96))     # T > S, MQA, a head dim off the table
+  transform_dtype = jnp.bfloat16
+  transform_head_dim = 64
+  second_order = False
+
+
+@pytest.mark.usefixtures("on_hopper")
+class TestMasksMosaicGPU(MaskTestBase):
+  """The structured masks (no dense mask, bias or dropout: refused, tested below), in
+  bf16, forward and the Mosaic GPU backward."""
+
+  implementation = "mosaic_gpu"
+  float32_cases = ()
+  half_cases = tuple(c for c in FLOAT32_CASES
+                     if not {"bias", "mask", "dropout"} & set(c.replace("+", " ").split()))
+  fully_masked_cases = tuple(c for c in FULLY_MASKED_CASES if "mask" not in c)
+  dtype_name = "bfloat16"
+  dropout = False
+  no_cases_reason = {"float32_cases": "mosaic_gpu computes in bfloat16 and float16 only"}
+
+
+def test_mask_cases_cover_every_structured_mask():
+  assert set(TestMasksMosaicGPU.half_cases) == {
+      "lengths", "segments", "window", "softcap", "causal+window", "causal+segments",
+      "lengths+segments"}
+  assert set(TestMasksMosaicGPU.fully_masked_cases) == {"lengths", "segments",
+                                                        "lengths+segments"}
+
+
+# -- host side: what the implementation takes and refuses ----------------------------------
 
 def test_supported_call_on_hopper():
   q, k, v = _qkv()
-  mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, is_causal=True, local_window_size=4,
-                                              logits_soft_cap=10.0), **HOPPER)
+  mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, is_causal=True, local_window_size=4,
+                                                  logits_soft_cap=10.0), **HOPPER)
 
 
 @pytest.mark.parametrize("device, reason", [
@@ -62,7 +106,7 @@ def test_supported_call_on_hopper():
 def test_refuses_devices_other_than_hopper(device, reason):
   q, k, v = _qkv()
   with pytest.raises(NotImplementedError, match=reason):
-    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v), **device)
+    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **device)
 
 
 @pytest.mark.parametrize("H, dtype, reason", [
@@ -73,80 +117,22 @@ def test_refuses_devices_other_than_hopper(device, reason):
 def test_refuses_shapes_and_dtypes(H, dtype, reason):
   q, k, v = _qkv(H, dtype)
   with pytest.raises(NotImplementedError, match=reason):
-    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v), **HOPPER)
+    mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v), **HOPPER)
 
 
-def test_refuses_dense_mask_bias_dropout_and_takes_its_own_config():
+def test_refuses_dense_mask_bias_dropout():
   q, k, v = _qkv()
   mask = jnp.ones((1, 1, 16, 16), bool)
-  with pytest.raises(NotImplementedError, match="mosaic_gpu has no mask"):
-    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, mask=mask), **HOPPER)
-  with pytest.raises(NotImplementedError, match="mosaic_gpu has no bias"):
-    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, bias=mask.astype(q.dtype)), **HOPPER)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    mosaic_impl.check_call(q, k, v, *_prepared(q, k, v, dropout_rate=0.1,
-                                                dropout_rng=jax.random.key(0)), **HOPPER)
-  lengths = _prepared(q, k, v, key_value_seq_lengths=jnp.array([3]))  # structured: accepted
-  mosaic_impl.check_call(q, k, v, *lengths, **HOPPER)
-  # Its own config over the per-head_dim default; one that overflows shared memory
-  # is refused (and a sequence of implementations moves on).
-  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(block_k=64, stages=3))
-  assert mosaic_impl.kernel_config(q, cfg, masks) == mf.MosaicConfig(64, 64, 3, persistent=True)
-  causal = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(stages=3))
-  assert mosaic_impl.kernel_config(q, *causal) == mf.MosaicConfig(128, 64, 3, consumer_ranges=True)
-  q256, k256, v256 = _qkv(256)
-  big = _prepared(q256, k256, v256, config=jflash.MosaicGPUConfig(block_k=256, stages=4))
-  with pytest.raises(NotImplementedError, match="shared memory"):
-    mosaic_impl.check_call(q256, k256, v256, *big, **HOPPER)
-  with pytest.raises(ValueError, match="stages=0"):
-    jflash.MosaicGPUConfig(stages=0)
-  regs = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumer_registers=240))
-  assert mosaic_impl.kernel_config(q, *regs).consumer_registers == 240
-  with pytest.raises(ValueError, match="consumer_registers=250"):
-    jflash.MosaicGPUConfig(consumer_registers=250)
-  three = _prepared(q, k, v, config=jflash.MosaicGPUConfig(consumers=3))
-  assert mosaic_impl.kernel_config(q, *three).register_split() == (160, 32)
-  assert not mosaic_impl.kernel_config(q, *three).ping_pong
-  with pytest.raises(ValueError, match="ping_pong=False"):
-    jflash.MosaicGPUConfig(consumers=3, ping_pong=True)
+  for kw, reason in ((dict(mask=mask), "mosaic_gpu has no mask"),
+                     (dict(bias=mask.astype(q.dtype)), "mosaic_gpu has no bias"),
+                     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout")):
+    with pytest.raises(NotImplementedError, match=reason):
+      mosaic_impl.check_call(q, k, v, *jflash.prepare(q, k, v, **kw), **HOPPER)
+  mosaic_impl.check_call(q, k, v, *jflash.prepare(
+      q, k, v, key_value_seq_lengths=jnp.array([3])), **HOPPER)   # structured: taken
 
 
-def test_overriding_the_three_consumer_default_at_head_dim_128():
-  """The table runs three consumers at d = 128: asking for two brings back the ping-pong
-  and the two-consumer registers; a two-consumer field alone is refused, naming the
-  default it was laid over."""
-  q, k, v = _qkv(128, T=mf.THREE_CONSUMERS_MIN_SEQ)
-  assert mosaic_impl.kernel_config(q, *_prepared(q, k, v)).consumers == 3
-  two = mosaic_impl.kernel_config(q, *_prepared(q, k, v,
-                                                config=jflash.MosaicGPUConfig(consumers=2)))
-  assert (two.consumers, two.ping_pong, two.register_split()) == (2, True, (232, 40))
-  regs = jflash.MosaicGPUConfig(consumers=2, consumer_registers=240)
-  assert mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=regs)).register_split() == (
-      240, 24)
-  for alone in (dict(ping_pong=True), dict(consumer_registers=240)):
-    with pytest.raises(ValueError, match="set consumers too"):
-      mosaic_impl.kernel_config(q, *_prepared(q, k, v, config=jflash.MosaicGPUConfig(**alone)))
-
-
-def test_short_queries_take_two_consumers():
-  """Below THREE_CONSUMERS_MIN_SEQ query rows the table's three consumers (d = 64 and
-  128) give way to the ping-ponged two, on the same tiles or TWO_CONSUMER_ENTRIES';
-  the caller's own count still wins."""
-  for H, causal in ((64, False), (64, True), (128, False), (128, True)):
-    long = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ)
-    short = mf.default_config(H, causal, mf.THREE_CONSUMERS_MIN_SEQ - 1)
-    assert (long.consumers, short.consumers, short.ping_pong) == (3, 2, True)
-    own = mf.TWO_CONSUMER_ENTRIES.get((H, causal))
-    assert short == (own or long.with_consumers(2))
-    assert mf.default_config(H, causal) == long           # no length: the table's
-  assert mf.default_config(64, True, 1024) == mf.MosaicConfig(128, 64, 2, consumer_ranges=True)
-  q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
-  cfg = jflash.prepare(q, q, q)
-  assert mosaic_impl.kernel_config(q, *cfg).consumers == 2
-  cfg = jflash.prepare(q, q, q, config=jflash.MosaicGPUConfig(consumers=3))
-  assert mosaic_impl.kernel_config(q, *cfg).consumers == 3
-
-
+@off_gpu_only
 def test_registered_and_refused_on_cpu_with_the_reason():
   assert "mosaic_gpu" in api.available_implementations()
   q, k, v = _qkv()
@@ -154,6 +140,7 @@ def test_registered_and_refused_on_cpu_with_the_reason():
     jflash.attention(q, k, v, implementation="mosaic_gpu")
 
 
+@off_gpu_only
 def test_falls_back_to_the_next_implementation():
   q, k, v = _qkv()
   got = jflash.attention(q, k, v, is_causal=True, implementation=("mosaic_gpu", "xla_chunked"))
@@ -161,81 +148,241 @@ def test_falls_back_to_the_next_implementation():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("capability, order", [
-    ("9.0", ("mosaic_gpu", "pallas", "xla_chunked")),
-    ("8.0", ("pallas", "xla_chunked")),
-])
-def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, order):
+@pytest.mark.parametrize("capability, first", [("9.0", "mosaic_gpu"), ("8.0", "pallas")])
+def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, first):
   device = types.SimpleNamespace(platform="gpu", compute_capability=capability,
                                  client=types.SimpleNamespace(platform_version="cuda 13.0"))
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "devices", lambda *a: [device])
-  assert api.default_implementation() == order
+  order = api.default_implementation()
+  assert order[0] == first and ("mosaic_gpu" in order) == (capability == "9.0")
 
 
-@pytest.mark.parametrize("kw, bad", [
+# -- MosaicGPUConfig: what a user sets runs as set, or the call raises ----------------------
+
+def test_config_has_at_most_ten_fields():
+  fields = [f.name for f in dataclasses.fields(jflash.MosaicGPUConfig)]
+  assert len(fields) <= 10, fields
+  assert set(jflash.MosaicGPUConfig.forward_fields) | {"backward"} | set(
+      jflash.MosaicGPUConfig.backward_field_names) == set(fields)
+
+
+@pytest.mark.parametrize("fields, bad", [
     (dict(block_q=32), "block_q=32"), (dict(block_k=320), "block_k=320"),
     (dict(block_k=96), "block_k=96"), (dict(stages=1), "stages=1"),
     (dict(stages=33), r"stages=33 must be an int in \[2, 32\]"),
-    (dict(consumer_registers=248), "consumer_registers=248"),
-    (dict(consumer_registers=236), "consumer_registers=236"),
     (dict(consumers=4), "consumers=4"), (dict(consumers=2.0), "consumers=2.0"),
-    (dict(consumers=3, ping_pong=True), "consumers=3 needs ping_pong=False"),
-    (dict(ping_pong=0), "ping_pong=0"), (dict(consumer_registers=0), "consumer_registers=0"),
-    (dict(consumers=3, consumer_registers=168), "consumer_registers=168"),
+    (dict(persistent=1), "persistent=1"), (dict(backward="triton"), "backward='triton'"),
+    (dict(backward_block_n=96), "backward_block_n=96"),
+    (dict(backward_dq_block_n=32), "backward_dq_block_n=32"),
+    (dict(backward_stages=1), "backward_stages=1"),
+    (dict(backward_stages=17), "backward_stages=17 needs 34"),
+    (dict(backward_persistent="yes"), "backward_persistent='yes'"),
+    (dict(backward="pallas", backward_block_n=128), "backward='pallas' runs the Triton"),
 ])
-def test_tile_validation(kw, bad):
+def test_config_validation_names_the_field(fields, bad):
   with pytest.raises(ValueError, match=bad):
-    mf.MosaicConfig(**kw)
+    jflash.MosaicGPUConfig(**fields)
 
 
-# Head dims between the table's: each swizzle width, and both sides of by_role's 128.
-OFF_TABLE_HEAD_DIMS = (32, 80, 96, 160, 192)
+@pytest.mark.parametrize("fields", [
+    dict(block_k=64, stages=3), dict(block_q=128, consumers=2), dict(consumers=3),
+    dict(persistent=False), dict(persistent=True), dict(consumers=2, block_k=192)])
+@pytest.mark.parametrize("H, causal, T", [(64, True, 4096), (128, False, 1024),
+                                          (128, True, 16384)])
+def test_forward_fields_run_as_set(fields, H, causal, T):
+  """Each forward field the caller sets is the kernel's, over the heuristics' others;
+  the call runs it or raises NotImplementedError naming the reason."""
+  q = _shape(1, T, 2, H)
+  cfg, masks = jflash.prepare(q, q, q, is_causal=causal,
+                              config=jflash.MosaicGPUConfig(**fields))
+  config = mosaic_impl.kernel_config(q, cfg, masks)
+  for name, value in fields.items():
+    assert getattr(config, name) == value, (name, config)
+  try:
+    mosaic_impl.check_call(q, q, q, cfg, masks, **HOPPER)
+  except NotImplementedError as e:
+    assert "shared memory" in str(e) or "three consumer" in str(e), e
 
 
-def test_off_table_head_dims_take_the_next_entry_and_the_widest_swizzle():
-  """A head dim between the table's takes the next one's tiles; its tiles' rows are
-  laid out in the widest swizzle they fill whole (bytes: 2 per element, 4 for the
-  backward's float32 tiles)."""
-  assert [mf.table_head_dim(H) for H in (16, 32, 64, 80, 96, 128, 160, 192, 256)] == \
-      [64, 64, 64, 128, 128, 128, 256, 256, 256]
-  assert mf.default_config(96, True, 4096) == mf.default_config(128, True, 4096)
-  assert [mf.swizzle_bytes(H, 2) for H in (16, 32, 48, 64, 80, 96, 160, 192, 256)] == \
-      [32, 64, 32, 128, 32, 64, 64, 128, 128]
-  assert [mf.swizzle_bytes(H, 4) for H in (16, 80, 96)] == [64, 64, 128]
-  for H in (0, 8, 72, 272):
-    with pytest.raises(NotImplementedError, match=f"multiple of 16 up to 256, got {H}"):
-      mf.table_head_dim(H)
+def test_consumers_bring_their_own_registers():
+  q = _shape(1, 4096, 2, 128)
+  three = mosaic_impl.kernel_config(q, *jflash.prepare(q, q, q))
+  assert (three.consumers, three.ping_pong, three.register_split()) == (3, False, (160, 32))
+  two = mosaic_impl.kernel_config(q, *jflash.prepare(
+      q, q, q, config=jflash.MosaicGPUConfig(consumers=2)))
+  assert (two.consumers, two.ping_pong, two.register_split()) == (2, True, (232, 40))
 
 
-def test_default_tiles_fit_shared_memory():
-  for H in (*mf.TABLE_HEAD_DIMS, *OFF_TABLE_HEAD_DIMS):
-    for causal in (False, True):
-      assert mf.smem_bytes(H, 2, mf.default_config(H, causal)) <= mf.SMEM_BYTES
+@pytest.mark.parametrize("fields", [
+    dict(backward_block_n=128), dict(backward_block_n=256), dict(backward_dq_block_n=128),
+    dict(backward_stages=3), dict(backward_persistent=True), dict(backward_persistent=False)])
+@pytest.mark.parametrize("H, causal, group", [(64, True, 1), (128, False, 1),
+                                              (128, True, 4), (256, False, 1)])
+def test_backward_fields_run_the_mosaic_backward_as_set_or_raise(fields, H, causal, group):
+  """A backward field the caller sets picks the Mosaic GPU backward whatever "auto"
+  would (never the Triton one in its place), with that field's value; a combination the
+  call cannot run raises NotImplementedError from the implementation's check."""
+  q, k = _shape(1, 2048, 4, H), _shape(1, 2048, 4 // group, H)
+  cfg, masks = jflash.prepare(q, k, k, is_causal=causal,
+                              config=jflash.MosaicGPUConfig(**fields))
+  assert mosaic_impl.backward_kind(q, k, cfg, masks) == "mosaic_gpu"
+  config = mosaic_impl.backward_config(q, k, cfg, masks)
+  own = cfg.backend_config(jflash.MosaicGPUConfig).backward_fields()
+  assert {name: getattr(config, name) for name in own} == own
+  try:
+    mosaic_impl.check_call(q, k, k, cfg, masks, **HOPPER)
+  except NotImplementedError as e:
+    assert "shared memory" in str(e) or "persistent=True" in str(e), e
+
+
+def test_unrunnable_backward_tiles_raise_rather_than_run_another_backward():
+  q, k = _shape(1, 16384, 16, 128), _shape(1, 16384, 1, 128)
+  big = jflash.prepare(q, k, k, is_causal=True,
+                       config=jflash.MosaicGPUConfig(backward_block_n=256))
+  assert mosaic_impl.backward_kind(q, k, *big) == "mosaic_gpu"
   with pytest.raises(NotImplementedError, match="shared memory"):
-    q, k, v = _qkv(256)
-    mf.check_supported(q, k, v, mf.MosaicConfig(64, 256, 4))
+    mosaic_impl.check_call(q, k, k, *big, **HOPPER)
 
 
-# -- lowering to Mosaic GPU (no GPU needed) -------------------------------------------------
+def test_backward_choice():
+  """"pallas" and "mosaic_gpu" as asked; "auto" as the heuristics say
+  (`mosaic_backward_wins`, tested as properties below): the Mosaic GPU backward for a
+  16K d128 call, the Triton one for a short one and for a causal grid of few programs."""
+  kind = lambda q, k, **kw: mosaic_impl.backward_kind(q, k, *jflash.prepare(q, k, k, **kw))
+  long, short = _shape(1, 16384, 16, 128), _shape(1, 256, 16, 128)
+  for backward in ("pallas", "mosaic_gpu"):
+    assert kind(short, short, config=jflash.MosaicGPUConfig(backward=backward)) == backward
+  assert kind(long, long) == kind(long, long, is_causal=True) == "mosaic_gpu"
+  assert kind(short, short) == "pallas"
+  one_head = _shape(1, 16384, 1, 128)
+  assert kind(one_head, one_head, is_causal=True) == "pallas"      # 128 programs
+  assert kind(_shape(1, 16384, 1, 72), _shape(1, 16384, 1, 72)) == "pallas"  # unsupported
 
-def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16,
-             num_sms=132):   # the persistent grid's size, as on an H100/H200
-  q = jax.ShapeDtypeStruct((2, T, N, H), dtype)
-  k = jax.ShapeDtypeStruct((2, S, K, H), dtype)
+
+# -- the heuristics, as properties ------------------------------------------------------------
+
+@pytest.mark.parametrize("H", HEAD_DIMS)
+def test_table_entries_are_configs_every_head_dim_of_their_tier_runs(H):
+  """Every entry of the forward's table (and the two-consumer entries) is a valid
+  config that fits shared memory at every head dim that takes it, in both dtypes."""
+  tier = common.table_head_dim(H)
+  assert tier == min(d for d in common.TABLE_HEAD_DIMS if d >= H)
+  entries = [c for (d, _), c in {**heuristics.TABLE, **heuristics.TWO_CONSUMER_ENTRIES}.items()
+             if d == tier]
+  assert entries
+  for dtype in (jnp.bfloat16, jnp.float16):
+    q = jnp.zeros((1, 8, 1, H), dtype)
+    for config in entries:
+      configs.check_forward(q, q, q, config)
+
+
+@pytest.mark.parametrize("H", HEAD_DIMS)
+def test_default_forward_configs_run(H):
+  for causal, T in itertools.product((False, True), (1, 1000, 2048, 16384, None)):
+    config = heuristics.default_config(H, causal, T)
+    q = jnp.zeros((1, 8, 1, H), jnp.bfloat16)
+    configs.check_forward(q, q, q, config)
+    assert config.consumer_ranges <= causal          # a causal mask's tiles only
+    assert not (config.consumer_ranges and config.scores_ahead)
+
+
+SHAPE_GRID = [(B, T, N, K) for B, T, N, K in itertools.product(
+    (1, 4, 32), (64, 1000, 4096, 16384), (16, 32), (16, 8, 1)) if N % K == 0]
+
+
+@pytest.mark.parametrize("H", HEAD_DIMS)
+def test_backward_call_configs_run(H):
+  """Every call config the heuristics return over a grid of shapes is one the kernels
+  run: valid, within shared memory, its group split dividing the group, and within the
+  persistent grids' and the head dims' limits (`check_backward`)."""
+  for (B, T, N, K), causal in itertools.product(SHAPE_GRID, (False, True)):
+    q, k = jnp.zeros((1, 8, N, H), jnp.bfloat16), jnp.zeros((1, 8, K, H), jnp.bfloat16)
+    config = heuristics.call_config((B, T, N, H), (B, T, K, H), 2, causal=causal)
+    configs.check_backward(q, k, k, config)
+    assert configs.backward_smem_bytes(H, 2, config) <= common.SMEM_BYTES
+
+
+@pytest.mark.parametrize("H", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_backward_wins_for_longer_calls_if_for_a_shorter(H, causal):
+  """Longer sequences and larger batches only spread each program's fixed costs further
+  and fill a causal grid more: where the Mosaic GPU backward wins, it wins there too."""
+  for B, (N, K) in itertools.product((1, 4, 16), ((16, 16), (32, 8), (16, 1))):
+    wins = [heuristics.mosaic_backward_wins(
+        (b, T, N, H), (b, T, K, H), causal=causal,
+        config=heuristics.call_config((b, T, N, H), (b, T, K, H), 2, causal=causal))
+        for b, T in ((B, 512), (B, 1024), (B, 2048), (B, 4096), (B, 16384), (4 * B, 16384))]
+    assert wins == sorted(wins), (B, N, K, wins)
+
+
+def test_swizzles_are_the_widest_a_row_fills():
+  for H, itemsize in itertools.product(HEAD_DIMS, (2, 4)):
+    swizzle = common.swizzle_bytes(H, itemsize)
+    assert (H * itemsize) % swizzle == 0
+    assert all((H * itemsize) % s for s in common.SWIZZLES if s > swizzle)
+
+
+# -- the scheduler, as properties --------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes,l2_group", [((16, 32, 4), 4), ((5, 3, 2), 2), ((7, 3, 2), 3),
+                                            ((3, 2, 1), 5), ((1, 4, 2), 3), ((4, 3, 2), 1),
+                                            ((3, 2, 1), 2 ** 31 - 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_item_coords_cover_the_grid_once(sizes, l2_group, causal):
+  """`item_coords`: a bijection onto the grid; with a causal mask and `l2_group` g the
+  tiles go in groups of g consecutive ones (the last narrower), fastest within a group,
+  and groups ascend."""
+  n = math.prod(sizes)
+  coords = np.stack([np.asarray(c) for c in scheduler.item_coords(
+      jnp.arange(n, dtype=jnp.int32), sizes, causal, l2_group)], -1)
+  assert sorted(map(tuple, coords.tolist())) == sorted(itertools.product(*map(range, sizes)))
+  if causal:
+    group = coords[:, 0] // l2_group
+    assert np.all(np.diff(group) >= 0)
+    width = min(l2_group, sizes[0])
+    assert coords[group == 0][:width].tolist() == [[t, 0, 0] for t in range(width)]
+
+
+@pytest.mark.parametrize("num_items,num_ctas,heads", [(2048, 132, 16), (7, 3, 1),
+                                                      (5, 5, 1), (6, 4, 1), (11, 4, 1)])
+def test_item_schedule_covers_items_once_and_snake_balances(num_items, num_ctas, heads):
+  """`item_schedule`: each work item goes to exactly one program, in either order; with
+  items in falling cost (a causal grid: each key tile seeing 2 query tiles fewer), the
+  snake order keeps every program's sum within one item of the others, where the plain
+  order puts the busiest of 132 programs more than 6% over the mean."""
+  cost = np.array([256 - 2 * (w // heads) for w in range(num_items)])
+  totals = {}
+  for snake in (False, True):
+    owned = []
+    for cta in range(num_ctas):
+      steps, item = scheduler.item_schedule(jnp.int32(cta), num_items, num_ctas, snake)
+      owned.append([int(item(jnp.int32(k))) for k in range(int(steps))])
+    assert sorted(sum(owned, [])) == list(range(num_items))
+    totals[snake] = np.array([cost[o].sum() for o in owned])
+  plain, snake = totals[False], totals[True]
+  assert snake.max() - snake.min() <= cost.max()
+  if num_items == 2048:
+    assert plain.max() / plain.mean() > 1.06 and snake.max() / snake.mean() < 1.003
+
+
+# -- lowering the default forward (no GPU needed) ---------------------------------------------
+
+def _lowered(H, opts, ops_fn=None, config=None, T=200, S=330, N=4, K=2, dtype=jnp.bfloat16):
+  """The forward at `config` (the heuristics' by default) lowered for CUDA, on the
+  persistent grid of an H100's or H200's 132 multiprocessors."""
+  q, k = _shape(2, T, N, H, dtype), _shape(2, S, K, H, dtype)
+  config = config or heuristics.default_config(H, opts.is_causal, T)
 
   def f(q, k, v, *extra):
     ops = ops_fn(*extra) if ops_fn else None
     return mf.flash_forward(q, k, v, scale=H ** -0.5, opts=opts, ops=ops, config=config,
-                            num_sms=num_sms)
+                            num_sms=132)
   extra = []
   if ops_fn is not None:
     extra = [jax.ShapeDtypeStruct((2, T), jnp.int32), jax.ShapeDtypeStruct((2, S), jnp.int32),
              jax.ShapeDtypeStruct((2,), jnp.int32)]
-  try:
-    return jax.jit(f).trace(q, k, k, *extra).lower(lowering_platforms=("cuda",)).as_text()
-  except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU bindings
-    pytest.skip(f"this jaxlib cannot lower Mosaic GPU kernels: {e}")
+  return lowered(f, q, k, k, *extra)
 
 
 def _segments_and_lengths(q_seg, kv_seg, kv_len):
@@ -243,24 +390,31 @@ def _segments_and_lengths(q_seg, kv_seg, kv_len):
                       schedule=None)
 
 
-@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_to_mosaic_gpu(H, causal):
-  assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal))
+@pytest.mark.parametrize("H, causal, T", [
+    (64, False, 4096), (64, True, 4096), (64, True, 200), (128, False, 4096),
+    (128, True, 4096), (128, False, 200), (32, True, 4096), (80, False, 4096),
+    (192, False, 200), (256, False, 200), (256, True, 200)])
+def test_default_forward_lowers_with_its_register_split(H, causal, T):
+  """The default kernel of each tier, both query-length sides of the consumer count,
+  down to the matrix-product instructions; its warpgroups' setmaxnreg counts are the
+  config's register split (three consumers: 4 x 128 = 3 x 160 + 32; two: 3 x 168 =
+  2 x 232 + 40)."""
+  config = heuristics.default_config(H, causal, T)
+  module = kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))[0]
+  assert "wgmma" in module
+  assert register_counts(module) == sorted(config.register_split())
 
 
-@pytest.mark.parametrize("H", OFF_TABLE_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_off_table_head_dims(H, causal):
-  """Through Mosaic GPU's own checks of each product's operands (their tiling must be
-  one swizzle row) down to the matrix-product instructions."""
-  assert "wgmma" in _kernel_module(_lowered(H, MaskOptions(is_causal=causal)))
+@pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16), (256, jnp.bfloat16)])
+def test_default_forward_lowers_with_every_mask_path(H, dtype):
+  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
+  assert "wgmma" in kernel_modules(_lowered(H, opts, _segments_and_lengths, dtype=dtype))[0]
 
 
 @pytest.mark.parametrize("T, S, padded", [(1000, 3000, False), (200, 330, True),
                                           (131, 3000, True)])
 def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
-  """Lengths that are multiples of mf.TMA_ROWS reach the kernel as they are (the copy
+  """Lengths that are multiples of TMA_ROWS reach the kernel as they are (the copy
   engine zero-fills and drops the rows past the end of a tile); others are padded."""
   text = _lowered(128, MaskOptions(is_causal=True), T=T, S=S)
   assert ("stablehlo.pad" in text) == padded
@@ -269,189 +423,74 @@ def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
 def test_outputs_leave_the_kernel_through_an_optimization_barrier():
   """XLA's dynamic-slice fusion would otherwise fold a scan's stacking of the output
   into a fusion around the kernel's call and keep a second call for the output's other
-  users: two forward kernels per layer of the decoder LM on the H200
-  (experiments/results/lm_profile_h200/)."""
+  users: two forward kernels per layer."""
   text = _lowered(128, MaskOptions(is_causal=True), T=1024, S=1024)
   assert text.count("stablehlo.optimization_barrier") == 1
 
 
-@pytest.mark.parametrize("H, dtype", [(128, jnp.float16), (64, jnp.bfloat16)])
-def test_lowers_with_every_mask_path(H, dtype):
-  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  assert "mosaic_gpu" in _lowered(H, opts, _segments_and_lengths, dtype=dtype)
-
-
-@pytest.mark.parametrize("H, config", [
-    (64, mf.default_config(64, True)),                    # three consumers, own ranges
-    (64, mf.default_config(64, True, 1024)),              # two ping-ponged, own ranges
-    (128, mf.default_config(128, True)),                  # three, lazy rescale, own ranges
-    (128, dataclasses.replace(mf.default_config(128, True), consumer_ranges=False,
-                              l2_group=4))])              # the launch in head groups
-def test_lowers_with_consumer_ranges_and_launched_groups(H, config):
-  """The table's causal configs, each consumer on its own rows' key tiles
-  (`consumer_ranges`), with segments and lengths, and the launched causal grid in head
-  groups."""
-  opts = MaskOptions(is_causal=True, window=(40, 8))
-  assert "wgmma" in _kernel_module(_lowered(H, opts, _segments_and_lengths, config=config))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_under_warpgroup_semantics(causal):
-  config = mf.MosaicConfig(64, 128, 2, semantics="warpgroup")
-  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
-
-
-SCORES_AHEAD = dict(scores_ahead=True)   # each P V issued with the next tile's S
-
-
-@pytest.mark.parametrize("causal,order", [(False, {}), (True, {}),
-                                          (True, dict(l2_group=4)), (False, SCORES_AHEAD),
-                                          (True, SCORES_AHEAD)])
-def test_lowers_persistent(causal, order):
-  config = mf.MosaicConfig(64, 128, 2, persistent=True, **order)
-  assert "mosaic_gpu" in _lowered(128, MaskOptions(is_causal=causal), config=config)
-
-
-@pytest.mark.parametrize("H", [128, 256])
+@pytest.mark.parametrize("H", [64, 128, 256])
 def test_persistent_kernel_holds_one_copy_of_the_item(H):
-  """A persistent program runs every work item through one traced body, so its module
-  holds as many matrix products as the launched grid's program of one item (a second
-  copy of the body cost 1.9-3.6 s of the first call of a 4K d256 fwd+bwd on the H200:
-  experiments/results/compile_time_h200.json)."""
-  config = mf.default_config(H, False)
-  opts = MaskOptions(is_causal=False)
-  products = [_kernel_module(_lowered(H, opts, config=dataclasses.replace(
-      config, persistent=persistent))).count("wgmma.mma_async") for persistent in (False, True)]
+  """The default persistent program runs every work item through one traced body, so
+  its module holds as many matrix products as the launched grid's program of one item
+  (a second copy of the body would double ptxas's work)."""
+  config = heuristics.default_config(H, False, 4096)
+  assert config.persistent
+  products = [kernel_modules(_lowered(H, MaskOptions(), config=dataclasses.replace(
+      config, persistent=p)))[0].count("wgmma.mma_async") for p in (False, True)]
   assert products[0] > 0 and products[1] == products[0], products
 
 
-def _kernel_module(lowered: str) -> str:
-  """The first Mosaic GPU module inside a lowered program, printed as text."""
-  return _kernel_modules(lowered)[0]
+@pytest.mark.parametrize("H, causal", [(64, True), (128, False), (256, True)])
+def test_lazy_rescale_lowers_to_a_warp_vote_per_rescale(H, causal):
+  """The defaults skip O's rescale where no row's max moved (`lazy_rescale`) from the
+  128 tier on, through one warp vote per loop body: the loop's three tile classes (with
+  `consumer_ranges`, the same three of a consumer's own range), and with
+  `scores_ahead` the last tile's two classes too; none at d = 64."""
+  config = heuristics.default_config(H, causal, 4096)
+  sites = (5 if config.scores_ahead else 3) if config.lazy_rescale else 0
+  assert config.lazy_rescale == (H >= 80)
+  module = kernel_modules(_lowered(H, MaskOptions(is_causal=causal), config=config))[0]
+  assert module.count("vote.sync.any") == sites
 
 
-def _kernel_modules(lowered: str) -> list[str]:
-  """Every Mosaic GPU module inside a lowered program, printed as text."""
-  from experiments.tools.lowered import mosaic_modules
-  return mosaic_modules(lowered)
+# -- the forward kernel, interpreted off a GPU (compiled on one) -----------------------------
+
+THREE = dict(consumers=3)
+SCORES_AHEAD = dict(scores_ahead=True)
+LAZY = dict(lazy_rescale=True)
 
 
-def _register_counts(module: str) -> list[int]:
-  """The register counts a Mosaic GPU module's warpgroups set (setmaxnreg), sorted."""
-  return sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
-
-
-@pytest.mark.parametrize("H, config", [
-    (256, dict(block_q=64, block_k=64)), (64, dict(block_q=64, block_k=256)),
-    (128, dict(block_q=128, block_k=64)), (64, dict(block_q=64, block_k=128, overlap=True))])
-def test_three_consumers_refused_where_they_do_not_compile(H, config):
-  # Outside what compiled on the H200 (a launch of four warpgroups: 128 registers each).
-  q, k, v = _qkv(H)
-  with pytest.raises(NotImplementedError, match="three consumer warpgroups"):
-    mf.check_supported(q, k, v, mf.MosaicConfig(**config, **THREE_CONSUMERS))
-
-
-@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
-def test_sweep_variants_are_configs_the_kernel_takes(H):
-  from experiments.mosaic_check import sweep_configs
-  q, k, v = _qkv(H)
-  for config in sweep_configs(H):
-    mf.check_supported(q, k, v, config)
-
-
-def test_lowers_three_consumers_with_their_register_split():
-  config = mf.MosaicConfig(64, 128, 2, persistent=True, **THREE_CONSUMERS)
-  assert config.register_split() == (160, 32)          # 4 x 128 = 3 x 160 + 32
-  module = _kernel_module(_lowered(64, MaskOptions(is_causal=True), config=config))
-  counts = _register_counts(module)
-  assert counts == [32, 160]
-
-
-@pytest.mark.parametrize("consumer, producer", [(232, 40), (240, 24)])
-def test_register_split_reaches_the_kernel(consumer, producer):
-  config = dataclasses.replace(mf.default_config(256), consumer_registers=consumer)
-  assert config.register_split() == (consumer, producer)
-  module = _kernel_module(_lowered(256, MaskOptions(), config=config))
-  counts = _register_counts(module)
-  assert counts == sorted([consumer, producer])
-
-
-@pytest.mark.parametrize("H", mf.TABLE_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_overlapped(H, causal):
-  config = dataclasses.replace(mf.default_config(H, causal).with_consumers(2), overlap=True,
-                               consumer_ranges=False)
-  assert "mosaic_gpu" in _lowered(H, MaskOptions(is_causal=causal), config=config)
-
-
-def test_lowers_overlapped_with_every_mask_path():
-  opts = MaskOptions(is_causal=True, window=(40, 8), soft_cap=20.0)
-  config = mf.MosaicConfig(64, 128, 2, overlap=True)
-  assert "mosaic_gpu" in _lowered(64, opts, _segments_and_lengths, config=config)
-
-
-def test_lowers_with_a_fresh_accumulator_and_deeper_pipeline():
-  config = mf.MosaicConfig(64, 64, 3, pv_in_place=False)
-  assert "mosaic_gpu" in _lowered(128, MaskOptions(), config=config)
-
-
-# -- the kernel under Mosaic GPU's interpreter ------------------------------------------------
-
-def _check_against_reference(q, k, v, out, lse, **kw):
-  ref_kw = {a: (tuple(np.asarray(x) for x in b) if isinstance(b, tuple) else
-                np.asarray(b) if hasattr(b, "shape") else b) for a, b in kw.items()}
-  r_out, r_lse = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), **ref_kw)
-  p_out, p_lse = jflash.attention(q, k, v, implementation="xla", return_residuals=True, **kw)
-  H = q.shape[-1]
-  err, plain = max_err(out, r_out), max_err(p_out, r_out)
-  assert err <= 2 * plain + floor(q.dtype, r_out, H), (err, plain)
-  live = np.isfinite(r_lse)
-  lse = np.asarray(lse)
-  np.testing.assert_array_equal(lse[~live], -np.inf)
-  l_err = max_err(lse[live], r_lse[live])
-  assert l_err <= 2 * max_err(np.asarray(p_lse)[live], r_lse[live]) + floor(
-      jnp.float32, r_lse[live], H) + 4 * float(jnp.finfo(q.dtype).eps), l_err
-  rows_out = np.asarray(out, np.float64).transpose(0, 2, 1, 3)      # [B, N, T, H]
-  np.testing.assert_array_equal(rows_out[~live], 0.0)
-  return int((~live).sum())
-
-
-THREE_CONSUMERS = dict(consumers=3)          # unsynchronised: ping_pong resolves to False
-
-
-@pytest.mark.parametrize("variant, H", [({}, 64), (dict(overlap=True), 64),
-                                        (THREE_CONSUMERS, 64), ({}, 80), (SCORES_AHEAD, 64)])
-def test_interpreted_pipeline_mqa_causal_off_tile(variant, H):
-  """Two programs of 128 rows (T = 130), the last one mostly padding (with three
-  consumers one program of 192 rows, 62 of them padding); S = 200 in 64-key tiles
-  through 2 slots, so the producer refills slots behind the consumed barriers; with the
-  two consumers ping-ponged, with the softmax overlapped with P V in each consumer, or
-  with three unsynchronised consumers; and at a head dim off the table."""
+@pytest.mark.parametrize("variant, H", [({}, 64), (THREE, 64), ({}, 80), (SCORES_AHEAD, 64),
+                                        (dict(SCORES_AHEAD, **LAZY), 256)])
+def test_pipeline_mqa_causal_off_tile(variant, H):
+  """Two programs of 128 rows (T = 130), the last one mostly padding (three consumers:
+  one of 192 rows); S = 200 in 64-key tiles through 2 slots, so the producer refills
+  slots behind the consumed barriers; the two consumers ping-ponged or three
+  unsynchronised, each P V issued with the next S (d = 256's form), a head dim off the
+  table."""
   q, k, v = random_qkv((1, 130, 200, 2, 1, H), jnp.bfloat16, seed=1)[:3]
-  config = mf.MosaicConfig(64, 64, 2, **variant)
+  config = configs.MosaicConfig(64, 64, 2, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
-                              config=config, interpret=True)
-  _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
+                              config=config, interpret=INTERPRET)
+  check_forward(q, k, v, out, lse, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, dict(overlap=True)),
-                                             (True, THREE_CONSUMERS), (False, SCORES_AHEAD),
-                                             (True, SCORES_AHEAD)])
-def test_interpreted_persistent_grid_carries_slots_across_items(causal, variant):
+@pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, THREE),
+                                             (False, SCORES_AHEAD), (True, SCORES_AHEAD)])
+def test_persistent_grid_carries_slots_across_items(causal, variant):
   """Persistent grid: 3 programs over 2 query blocks x 2 batches; key tiles of 64 in 3
   slots, so slots and barrier phases run on from one item into the next; lengths make
   the items' tile counts differ (batch 1 sees 40 keys: one tile). Causal takes the
-  items in the other order (batches fastest, heaviest query block first). With three
-  consumers (192-row blocks: one per batch) one program takes both items."""
+  items heaviest first. With three consumers (192-row blocks) one program takes both."""
   B, T, S = 2, 130, 150
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=4)[:3]
   kv_len = jnp.asarray([150, 40], jnp.int32)
   opts, ops = kernel_records(Masks(is_causal=causal, kv_lengths=kv_len), B=B, T=T, S=S)
-  config = mf.MosaicConfig(64, 64, 3, persistent=True, **variant)
+  config = configs.MosaicConfig(64, 64, 3, persistent=True, **variant)
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, config=config,
-                              interpret=True, num_sms=1 if config.consumers == 3 else 3)
-  _check_against_reference(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
-                           is_causal=causal)
+                              interpret=INTERPRET, num_sms=1 if config.consumers == 3 else 3)
+  check_forward(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
+                is_causal=causal)
 
 
 # Masks whose items at T = S = 320 (64-key tiles, programs of 128 rows: 9 items) hold
@@ -464,56 +503,27 @@ TILE_CLASS_MASKS = [
 
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("causal, window, kv_len", TILE_CLASS_MASKS)
-def test_interpreted_scores_ahead_in_every_tile_class(persistent, causal, window, kv_len):
+def test_scores_ahead_in_every_tile_class(persistent, causal, window, kv_len):
   """`scores_ahead` carries each tile's S into the next tile's step and takes the last
-  tile (P V alone) by its class: items of no key tile (key length 0), of one, and of
-  several whose loops start past tile 0 and run masked, unmasked and masked tiles
-  (TILE_CLASS_MASKS; on 3 programs when persistent). The output equals the loop
-  without it to the bit, and the reference under the rule; fully masked rows give
-  zeros."""
+  tile (P V alone) by its class: items of no key tile, of one, and of several whose
+  loops start past tile 0 and run masked, unmasked and masked tiles. The output equals
+  the loop without it to the bit, and the reference under the rule."""
   B, T = 3, TILE_CLASS_T
   q, k, v = random_qkv((B, T, T, 1, 1, 64), jnp.bfloat16, seed=7)[:3]
   kv_len = jnp.asarray(kv_len, jnp.int32)
-  masks = Masks(is_causal=causal, window=window, kv_lengths=kv_len)
-  opts, ops = kernel_records(masks, B=B, T=T, S=T)
+  opts, ops = kernel_records(Masks(is_causal=causal, window=window, kv_lengths=kv_len),
+                             B=B, T=T, S=T)
   run = lambda ahead: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops,
-                                       interpret=True, num_sms=3, config=mf.MosaicConfig(
+                                       interpret=INTERPRET, num_sms=3,
+                                       config=configs.MosaicConfig(
                                            64, 64, 2, persistent=persistent,
                                            scores_ahead=ahead))
   ahead = run(True)
   for x, y in zip(run(False), ahead):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  empty = _check_against_reference(q, k, v, *ahead, scale=0.125, is_causal=causal,
-                                   local_window_size=window, key_value_seq_lengths=kv_len)
+  empty = check_forward(q, k, v, *ahead, scale=0.125, is_causal=causal,
+                        local_window_size=window, key_value_seq_lengths=kv_len)
   assert empty >= T            # the batch of no key at least
-
-
-def test_scores_ahead_is_checked():
-  for bad in (dict(pv_in_place=False), dict(scores_ahead=1)):
-    with pytest.raises(ValueError, match="scores_ahead"):
-      mf.MosaicConfig(**{"scores_ahead": True, **bad})
-  with pytest.raises(ValueError, match="scores_ahead=1"):
-    jflash.MosaicGPUConfig(scores_ahead=1)
-
-
-def test_scores_ahead_is_the_default_where_it_was_faster():
-  """At head_dim 256 only (faster there on the H200; slower at 64, 128 and 192), causal
-  or not; the rest of the entry is d = 256's table entry, as for 192."""
-  for causal in (False, True):
-    assert mf.default_config(256, causal).scores_ahead
-    assert dataclasses.replace(mf.default_config(256, causal), scores_ahead=False) == \
-        mf.default_config(192, causal)
-    for H in (64, 128, 160, 192):
-      assert not mf.default_config(H, causal).scores_ahead
-  # A caller's field over the default, either way.
-  for H, ahead in ((256, False), (64, True)):
-    q, k, v = _qkv(H)
-    cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(scores_ahead=ahead))
-    assert mosaic_impl.kernel_config(q, cfg, masks) == dataclasses.replace(
-        mf.default_config(H, False, q.shape[1]), scores_ahead=ahead)
-
-
-LAZY = dict(lazy_rescale=True)   # the row max moved only past RESCALE_THRESHOLD
 
 
 def test_lazy_max_closed_forms():
@@ -530,14 +540,11 @@ def test_lazy_max_closed_forms():
 @pytest.mark.parametrize("persistent, dtype, causal, window, kv_len", [
     (persistent, jnp.bfloat16, *mask) for persistent in (False, True)
     for mask in TILE_CLASS_MASKS] + [(False, jnp.float16, *TILE_CLASS_MASKS[0])])
-def test_interpreted_lazy_rescale(persistent, dtype, causal, window, kv_len):
-  """`lazy_rescale` in the tile classes of the test above, with keys from the fourth
-  key tile on four times larger, so that some rows' max rises past the threshold
-  (2^8 in probability) within the item and others' by less (their exponentials then
-  exceed 1): the reference's output under the rule, lse to float32, fully masked rows
-  zeros; on the persistent grid with scores_ahead too (the loop the launched grid runs
-  once per program). In fp16 (at most 65504, 2^16) a threshold far above
-  RESCALE_THRESHOLD would overflow P (one case, without scores_ahead)."""
+def test_lazy_rescale(persistent, dtype, causal, window, kv_len):
+  """`lazy_rescale` in the tile classes above, with keys from the fourth key tile on
+  four times larger, so that some rows' max rises past the threshold (2^8 in
+  probability) within the item and others' by less (their exponentials then exceed 1);
+  on the persistent grid with scores_ahead too."""
   B, T, S = 3, TILE_CLASS_T, TILE_CLASS_T
   q, k, v = random_qkv((B, T, S, 1, 1, 64), dtype, seed=8)[:3]
   k = k.at[:, 192:].multiply(4.0)
@@ -548,20 +555,20 @@ def test_interpreted_lazy_rescale(persistent, dtype, causal, window, kv_len):
   logits = np.where(dense_keep_numpy(B, 1, T, S, masks)[:, 0], logits, -np.inf)
   first, later = logits[:, :, :192].max(-1), logits[:, :, 192:].max(-1)
   seen = np.isfinite(first) & np.isfinite(later)      # rows with keys on both sides
-  rise = (later[seen] - first[seen]) * 0.125 * mf.LOG2E
+  rise = (later[seen] - first[seen]) * 0.125 * common.LOG2E
   assert (rise > mf.RESCALE_THRESHOLD).any()
   assert ((rise > 0) & (rise <= mf.RESCALE_THRESHOLD)).any()
   for variant in ({}, SCORES_AHEAD) if persistent and dtype == jnp.bfloat16 else ({},):
-    out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
-                                num_sms=3, config=mf.MosaicConfig(
+    out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=INTERPRET,
+                                num_sms=3, config=configs.MosaicConfig(
                                     64, 64, 2, persistent=persistent, **LAZY, **variant))
-    empty = _check_against_reference(q, k, v, out, lse, scale=0.125, is_causal=causal,
-                                     local_window_size=window, key_value_seq_lengths=kv_len)
+    empty = check_forward(q, k, v, out, lse, scale=0.125, is_causal=causal,
+                          local_window_size=window, key_value_seq_lengths=kv_len)
     assert empty >= T
 
 
 @pytest.mark.parametrize("where", ["q", "k"])
-def test_interpreted_lazy_rescale_keeps_nan_in_its_rows(where):
+def test_lazy_rescale_keeps_nan_in_its_rows(where):
   """A NaN logit fails the threshold's comparison, so the row keeps its max; its
   exponential and sum are NaN all the same. In K's tile 2 of 3 it reaches every row
   (a NaN in q: its row only)."""
@@ -570,77 +577,22 @@ def test_interpreted_lazy_rescale_keeps_nan_in_its_rows(where):
     q = q.at[0, 9, 0, 3].set(jnp.nan)
   else:
     k = k.at[0, 100, 0, 3].set(jnp.nan)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True,
-                              config=mf.MosaicConfig(64, 64, 2, **LAZY))
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=INTERPRET,
+                              config=configs.MosaicConfig(64, 64, 2, **LAZY))
   bad = np.isnan(np.asarray(out, np.float32)).any(-1)[0, :, 0]
   assert bad.tolist() == [where == "k" or t == 9 for t in range(64)]
   assert np.isfinite(np.asarray(out, np.float32)[0, ~bad]).all()
   assert np.isnan(np.asarray(lse)[0, 0][bad]).all()
 
 
-def test_lazy_rescale_is_checked():
-  with pytest.raises(ValueError, match="lazy_rescale=True .* pv_in_place=False"):
-    mf.MosaicConfig(lazy_rescale=True, pv_in_place=False)
-  with pytest.raises(ValueError, match="lazy_rescale=1"):
-    mf.MosaicConfig(lazy_rescale=1)
-  with pytest.raises(ValueError, match="lazy_rescale=1"):
-    jflash.MosaicGPUConfig(lazy_rescale=1)
-
-
-@pytest.mark.parametrize("H", [64, 80, 128, 256])
-def test_lazy_rescale_is_the_default_where_it_was_faster(H):
-  """On from head dim 80 (the 128 and 256 table entries, LAZY_RESCALE_TABLE_DIMS),
-  off at 64, causal or not; a config given by the user wins either way."""
-  for causal in (False, True):
-    assert mf.default_config(H, causal, 4096).lazy_rescale == (H >= 80)
-  q, k, v = _qkv(H)
-  for given in (False, True):
-    cfg = _prepared(q, k, v, config=jflash.MosaicGPUConfig(lazy_rescale=given))
-    assert mosaic_impl.kernel_config(q, *cfg).lazy_rescale is given
-
-
-@pytest.mark.parametrize("H, causal", [(64, True), (256, False)])
-def test_lazy_rescale_lowers_to_a_warp_vote_per_rescale(H, causal):
-  """One warp vote (the branch around O's rescale hangs on it) per loop body
-  (`scale_moved_rows`): the sequential loop's three tile classes, with scores_ahead the
-  last tile's two classes too; none without it."""
-  for ahead, sites in ((False, 3), (True, 5)):
-    config = mf.MosaicConfig(64, 64, 2, scores_ahead=ahead)
-    lazy = _kernel_module(_lowered(H, MaskOptions(is_causal=causal),
-                                   config=dataclasses.replace(config, **LAZY)))
-    assert lazy.count("vote.sync.any") == sites
-    plain = _kernel_module(_lowered(H, MaskOptions(is_causal=causal), config=config))
-    assert "vote.sync" not in plain
-
-
-@pytest.mark.parametrize("persistent", [True, False])
-def test_interpreted_causal_grid_in_head_groups(persistent):
-  """A causal grid whose items go out in groups of query blocks of one head (`l2_group`
-  2 over 3 blocks: a narrower last group), persistent (2 programs) or launched (the
-  groups over the launch index): 3 blocks x 3 heads of GQA 3/1, with tails; every
-  item's output as the reference's. A bad group size is refused."""
-  q, k, v = random_qkv((1, 260, 250, 3, 1, 64), jnp.bfloat16, seed=6)[:3]
-  config = mf.MosaicConfig(64, 64, 2, persistent=persistent, l2_group=2)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
-                              config=config, interpret=True, num_sms=2)
-  _check_against_reference(q, k, v, out, lse, is_causal=True, scale=0.125)
-  for bad in (0, 1.0, True):
-    with pytest.raises(ValueError, match="l2_group"):
-      mf.MosaicConfig(l2_group=bad)
-
-
-@pytest.mark.parametrize("variant, segments", [({}, False), (THREE_CONSUMERS, False),
+@pytest.mark.parametrize("variant, segments", [({}, False), (THREE, False),
                                                (dict(persistent=True), False), ({}, True)])
-def test_interpreted_consumer_ranges(variant, segments):
+def test_consumer_ranges(variant, segments):
   """`consumer_ranges`: each consumer computes its own rows' key tiles and passes the
   rest of its program's. Causal with a window of 100 keys back, so that in one program
-  the first consumer passes the last tile and the second the first; key lengths 0 (an
-  item of no tile), 70 and 250; T = 260 off the program's rows (a consumer of padding
-  rows alone); two consumers ping-ponged, three unsynchronised, or slots carried
-  across the items of a persistent grid; or segments of 100 rows in place of the
-  window (the own ranges from the data-dependent schedule). The output equals the
-  program-wide ranges' to the bit (a passed tile is fully masked for the consumer, a
-  tile run without the element-wise mask has none to apply), and the reference's
+  the first consumer passes the last tile and the second the first; key lengths 0, 70
+  and 250; T = 260 off the program's rows; or segments of 100 rows in place of the
+  window. The output equals the program-wide ranges' to the bit, and the reference's
   under the rule."""
   B, T, S = 3, 260, 250
   q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.bfloat16, seed=8)[:3]
@@ -648,110 +600,57 @@ def test_interpreted_consumer_ranges(variant, segments):
   ids = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 100, (B, n))
   mask_kw = (dict(segment_ids=(ids(T), ids(S))) if segments
              else dict(local_window_size=(100, 0)))
-  opts, ops = kernel_records(_prepared(q, k, v, is_causal=True, key_value_seq_lengths=kv_len,
-                                       **mask_kw)[1], B=B, T=T, S=S)
-  run = lambda own: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops, interpret=True,
-                                     num_sms=2, config=mf.MosaicConfig(
-                                         64, 64, 2, consumer_ranges=own, **variant))
+  opts, ops = kernel_records(jflash.prepare(q, k, v, is_causal=True,
+                                            key_value_seq_lengths=kv_len, **mask_kw)[1],
+                             B=B, T=T, S=S)
+  run = lambda own: mf.flash_forward(q, k, v, scale=0.125, opts=opts, ops=ops,
+                                     interpret=INTERPRET, num_sms=2,
+                                     config=configs.MosaicConfig(64, 64, 2, consumer_ranges=own,
+                                                                 **variant))
   out, lse = run(True)
   for x, y in zip(run(False), (out, lse)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  empty = _check_against_reference(q, k, v, out, lse, scale=0.125, is_causal=True,
-                                   key_value_seq_lengths=kv_len, **mask_kw)
+  empty = check_forward(q, k, v, out, lse, scale=0.125, is_causal=True,
+                        key_value_seq_lengths=kv_len, **mask_kw)
   assert empty >= T            # the batch of no key at least
 
 
-def test_consumer_ranges_is_checked():
-  with pytest.raises(ValueError, match="consumer_ranges=1"):
-    mf.MosaicConfig(consumer_ranges=1)
-  for other in (dict(overlap=True), dict(scores_ahead=True)):
-    with pytest.raises(ValueError, match="consumer_ranges"):
-      mf.MosaicConfig(consumer_ranges=True, **other)
-  with pytest.raises(ValueError, match="consumer_ranges=1"):
-    jflash.MosaicGPUConfig(consumer_ranges=1)
-  # The causal table entries up to d = 128 have it; a caller's other loop drops it, and
-  # a caller's consumer_ranges the table's scores_ahead (d = 256).
-  assert [H for H in mf.TABLE_HEAD_DIMS if mf.default_config(H, True).consumer_ranges] == [64, 128]
-  q, k, v = _qkv(64, T=4096, S=4096)
-  for loop in (dict(overlap=True), dict(scores_ahead=True)):
-    call = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(**loop))
-    assert not mosaic_impl.kernel_config(q, *call).consumer_ranges
-    with pytest.raises(ValueError, match="consumer_ranges"):
-      jflash.MosaicGPUConfig(**loop, consumer_ranges=True)
-  q, k, v = _qkv(256, T=4096, S=4096)
-  call = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(consumer_ranges=True))
-  config = mosaic_impl.kernel_config(q, *call)
-  assert config.consumer_ranges and not config.scores_ahead
+def test_record_combinations_are_checked():
+  with pytest.raises(ValueError, match="consumer_ranges=True is built into the loop"):
+    configs.MosaicConfig(consumer_ranges=True, scores_ahead=True)
+  for name in ("consumer_ranges", "scores_ahead", "lazy_rescale"):
+    with pytest.raises(ValueError, match=f"{name}=1"):
+      configs.MosaicConfig(**{name: 1})
+  for registers in (248, 236, 0):
+    with pytest.raises(ValueError, match=f"consumer_registers={registers}"):
+      configs.MosaicConfig(consumer_registers=registers)
+  with pytest.raises(NotImplementedError, match="three consumer warpgroups"):
+    q = jnp.zeros((1, 8, 1, 256), jnp.bfloat16)
+    configs.check_forward(q, q, q, configs.MosaicConfig(64, 64, consumers=3))
 
 
-@pytest.mark.parametrize("sizes,l2_group", [((16, 32, 4), 4), ((5, 3, 2), 2), ((7, 3, 2), 3),
-                                            ((3, 2, 1), 5), ((1, 4, 2), 3),
-                                            ((3, 2, 1), 2 ** 31 - 1)])
-def test_item_coords_in_head_groups_cover_the_grid_once(sizes, l2_group):
-  """`item_coords` with a causal mask and `l2_group` g: a bijection onto the grid; the
-  tiles go in groups of g consecutive ones (the last group narrower when g does not
-  divide them), within a group fastest, then heads, then batch, and groups ascend."""
-  n = math.prod(sizes)
-  coords = np.stack([np.asarray(c) for c in mf.item_coords(
-      jnp.arange(n, dtype=jnp.int32), sizes, True, l2_group)], -1)
-  assert sorted(map(tuple, coords.tolist())) == sorted(itertools.product(*map(range, sizes)))
-  group = coords[:, 0] // l2_group
-  assert np.all(np.diff(group) >= 0)
-  first = coords[group == 0]
-  width = min(l2_group, sizes[0])
-  assert first[:width].tolist() == [[t, 0, 0] for t in range(width)]
-
-
-@pytest.mark.parametrize("overlap", [None, True])
-def test_interpreted_masks_through_the_adapter(overlap):
-  """Window, segments (one query segment sees no key: empty rows), soft cap, key and
-  query lengths including 0, through jflash's adapter; T != S; fp16."""
-  B, T, S = 2, 100, 120
-  q, k, v = random_qkv((B, T, S, 1, 1, 64), jnp.float16, seed=2)[:3]
-  q_seg = np.zeros((B, T), np.int32)
-  q_seg[:, 90:] = 7                                   # no key has segment 7
-  kv_seg = np.zeros((B, S), np.int32)
-  kv_seg[:, 60:] = 1
-  q_seg[:, 50:90] = 1
-  kw = dict(is_causal=True, local_window_size=(48, 0), logits_soft_cap=5.0,
-            segment_ids=(jnp.asarray(q_seg), jnp.asarray(kv_seg)),
-            query_seq_lengths=jnp.asarray([100, 0], jnp.int32),
-            key_value_seq_lengths=jnp.asarray([70, 120], jnp.int32))
-  cfg, masks = _prepared(q, k, v, config=jflash.MosaicGPUConfig(overlap=overlap), **kw)
-  assert mosaic_impl.kernel_config(q, cfg, masks).overlap == bool(overlap)
-  qz, kz, vz = api.zero_padding(q, k, v, masks)
-  out, lse = mosaic_impl.forward(qz, kz, vz, cfg, masks)
-  empty = _check_against_reference(q, k, v, out, lse, **kw)
-  assert empty >= 10 + T                # segment 7 rows of batch 0 and all of batch 1
-
-
-def test_interpreted_gradient_through_the_triton_backward():
+@pytest.mark.usefixtures("on_hopper")
+def test_gradient_through_the_triton_backward():
   """The custom_vjp with this forward's residuals (out, lse in natural log [B, N, T])
-  feeding the Triton backward: gradients within the rule against the float64 closed form."""
+  feeding the Triton backward: gradients within the rule against the float64 truth."""
   q, k, v, do = random_qkv((1, 64, 80, 2, 1, 64), jnp.bfloat16, seed=5)
-  impl = api.get_implementation("mosaic_gpu")
-  cfg, masks = _prepared(q, k, v, is_causal=True, config=jflash.MosaicGPUConfig(backward="pallas"))
-  got = jax.vjp(lambda q, k, v: api._flash(q, k, v, masks, impl, cfg)[0], q, k, v)[1](do)
-  plain = jax.vjp(lambda q, k, v: jflash.attention(q, k, v, is_causal=True,
-                                                   implementation="xla"), q, k, v)[1](do)
-  ref = jflash.attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)), is_causal=True,
-                               dout=np.asarray(do, np.float64))[2:5]
-  for name, g, p, t in zip(("dq", "dk", "dv"), got, plain, ref):
-    err, err_plain = max_err(g, t), max_err(p, t)
-    assert err <= 2 * err_plain + floor(q.dtype, t, 64), (name, err, err_plain)
+  config = jflash.MosaicGPUConfig(backward="pallas")
+  got = jax.vjp(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, implementation="mosaic_gpu", config=config), q, k, v)[1](do)
+  check_grads(got, q, k, v, do, is_causal=True)
 
 
-def test_interpreted_negative_scale():
+def test_negative_scale():
   """The row max is taken after the scale when the scale is not positive."""
   q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=6)[:3]
-  out, lse = mf.flash_forward(q, k, v, scale=-0.2, interpret=True)
-  _check_against_reference(q, k, v, out, lse, scale=-0.2)
+  out, lse = mf.flash_forward(q, k, v, scale=-0.2, interpret=INTERPRET)
+  check_forward(q, k, v, out, lse, scale=-0.2)
 
 
-def test_interpreted_nan_reaches_only_its_row():
+def test_nan_reaches_only_its_row():
   q, k, v = random_qkv((1, 64, 64, 1, 1, 64), jnp.bfloat16, seed=3)[:3]
   q = q.at[0, 9, 0, 3].set(jnp.nan)
-  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=True)
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, interpret=INTERPRET)
   bad = ~np.isfinite(np.asarray(out, np.float32)).all(-1)[0, :, 0]
   assert bad.tolist() == [t == 9 for t in range(64)]
   assert np.isnan(np.asarray(lse)[0, 0, 9])

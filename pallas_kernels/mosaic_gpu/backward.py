@@ -1,9 +1,7 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
-(dq, dk, dv). Checked on the H200 against float64 (experiments/results/
-mosaic_backward_check_h200.json at the defaults; mosaic_bwd_persistent_check_h200.json
-with the persistent grids wherever they run, mosaic_bwd_d64_persistent_check_h200.json
-at head_dim 16-64 with a causal mask and grouped heads) and, on a CPU, by lowering and by
-Mosaic GPU's own interpreter (tests/test_mosaic_backward.py).
+(dq, dk, dv): the launcher of the dK/dV kernel (dkv.py) and the dQ kernel (dq.py).
+Checked against float64 by tests/test_mosaic_backward.py: on a CPU lowered and run by
+Mosaic GPU's own interpreter, on a Hopper GPU compiled (JFLASH_TEST_GPU=1).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
 Algorithm 2): P = exp2(s * c - lse2) is recomputed from the base-2 log-sum-exp,

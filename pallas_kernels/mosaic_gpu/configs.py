@@ -118,8 +118,7 @@ def check_forward(q, k, v, config: MosaicConfig):
     # consumers' matrix products to that although setmaxnreg raises them to 160: at
     # d = 256 it refused the 64 x 256 float32 accumulator ("Insufficient registers
     # (128) ... register target of 158 or higher").
-    # Only what ran on the H200 with three is taken: 64-row consumers, key tiles
-    # <= 128, d <= 128.
+    # Three take 64-row consumers, key tiles <= 128, d <= 128.
     H = q.shape[-1]
     if H > 128 or config.block_q != 64 or config.block_k > 128:
       raise NotImplementedError(
@@ -131,14 +130,11 @@ def check_forward(q, k, v, config: MosaicConfig):
 
 # Registers per consumer thread of the warp-specialised kernels after setmaxnreg:
 # FlashAttention-3's backward split, 240 / 240 / 24 (the producer keeps setmaxnreg's
-# floor; the forward's record checks the split). A dK/dV consumer holds dK and dV (64
-# + 64 registers at d = 128) beside the tile's S^T, dP^T and their bf16 copies, and
-# ptxas spilled it at the forward's 232. On the H200, fwd+bwd TF/s in one device call
-# (two processes; mosaic_bwd_regs240_h200.log against mosaic_bwd_regs232_h200.log) at
-# 16K d128: 527.5 against 490.1, causal 505.5 against 470.4, MQA 16/1 545.8 against
-# 500.4. Three consumers (the dQ kernel's `dq_consumers=3`) take FlashAttention-3's
-# three-consumer split, 160 / 160 / 160 / 32, the most a launch of four warpgroups
-# leaves them beside the producer's floor (`forward.launch_registers`).
+# floor). A dK/dV consumer holds dK and dV (64 + 64 registers at d = 128) beside the
+# tile's S^T, dP^T and their bf16 copies, which ptxas spills at the forward's 232. Three
+# consumers (the dQ kernel's `dq_consumers=3`) take FlashAttention-3's three-consumer
+# split, 160 / 160 / 160 / 32, the most a launch of four warpgroups leaves them beside
+# the producer's floor (`launch_registers`).
 CONSUMER_REGISTERS = {2: 240, 3: DEFAULT_CONSUMER_REGISTERS[3]}
 
 
@@ -337,7 +333,7 @@ def check_backward(q, k, v, config: BackwardConfig):
   if config.dq_consumers == 3 and q.shape[-1] > 128:
     # As the forward's three consumers (`check_forward`): ptxas holds their
     # products to a launch of four warpgroups' 128 registers per thread, and only what
-    # ran on the H200 with three is taken, up to head_dim 128.
+    # compiles with three is taken, up to head_dim 128.
     raise NotImplementedError(f"dq_consumers=3 supports head_dim <= 128, got "
                               f"head_dim={q.shape[-1]}")
   why = by_role_error(q.shape[-1], config)

@@ -47,7 +47,7 @@ def persistent_items(num_items: int, num_ctas: int, item, snake: bool = False):
   the count (of tiles streamed through its slots) going on from one item to the next
   from 0; returns the last. Every item goes through one traced body: a first item
   traced on its own would be a second copy of the kernel's code for ptxas to compile
-  (1.9-3.6 s of a 4K d256 fwd+bwd's first call on the H200, compile_time_h200.json)."""
+  (seconds of a call's first compile)."""
   steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
   return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
                        jnp.int32(0))
@@ -99,8 +99,8 @@ class PersistentGrid(NamedTuple):
 
 def counted_from(count):
   """t -> the program's count of streamed tiles at an item's t-th: t itself in a
-  program of one item (no index arithmetic added, so that grid launches lower as they
-  did before the persistent grid existed), count + t in a persistent one."""
+  program of one item (no index arithmetic added to a launched grid's program), count
+  + t in a persistent one."""
   return (lambda t: t) if count is None else (lambda t: count + t)
 
 
