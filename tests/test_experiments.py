@@ -217,9 +217,9 @@ def test_profile_step_of_one_attention_cell(tmp_path):
 
 
 def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
-  # This tree against a copy of its kernels: every Mosaic GPU module the same; with the
-  # copy's exp2 constant changed, the forward differs (the lowering needs no GPU). A
-  # process of its own: the script swaps packages in sys.modules.
+  # This tree against a copy of its packages: every Mosaic GPU module the same, and the
+  # same backward picked; with the copy's exp2 constant changed, the forward differs
+  # (the lowering needs no GPU). Each tree lowers in a process of its own.
   copy_packages(tmp_path / "base")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
@@ -231,12 +231,12 @@ def test_compare_lowered_tells_equal_kernels_from_changed_ones(tmp_path):
         capture_output=True)
     return {r["kernel"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
   rows = compare("same")
-  assert set(rows) == {"forward 0", "backward 0", "backward 1"}
+  assert set(rows) == {"forward 0", "backward 0", "backward 1", "backward_kind"}
   assert all(r["same"] for r in rows.values())
-  forward = tmp_path / "base" / "pallas_kernels" / "mosaic_gpu" / "forward.py"
-  text = forward.read_text()
+  common = tmp_path / "base" / "pallas_kernels" / "mosaic_gpu" / "common.py"
+  text = common.read_text()
   assert "\nLOG2E = " in text
-  forward.write_text(text.replace("\nLOG2E = ", "\nLOG2E = 1.0001 * ", 1))
+  common.write_text(text.replace("\nLOG2E = ", "\nLOG2E = 1.0001 * ", 1))
   rows = compare("changed")
   assert not rows["forward 0"]["same"] and rows["forward 0"]["differing_lines"] > 0
 
@@ -334,77 +334,6 @@ def test_profile_kernels_runs_the_steps_it_names(capsys):
   out = capsys.readouterr().out
   assert "(1, 64, 2, 1, 16) non-causal xla_chunked fwd+bwd (auto)" in out
   assert "xla_chunked forward" in out
-
-
-def test_mosaic_check_backward_writes_under_its_name(tmp_path, monkeypatch):
-  # The result goes to --name whatever the cases are called (each check stubbed: this
-  # tests the script's plumbing; the kernels are checked by the tests beside it).
-  from experiments import mosaic_check
-  ran = []
-  def stub(*args, **kwargs):
-    ran.append(args[0] if isinstance(args[0], str) else "extra")
-    return {"name": ran[-1], "ok": True}
-  for f in ("check_backward_case", "check_backward_nan", "check_backward_vmap"):
-    monkeypatch.setattr(mosaic_check, f, stub)
-  assert mosaic_check.main(["--backward", "--no-timing", "--only", "off-table", "--name",
-                            "dq2_check", "--out-dir", str(tmp_path), "--backward-configs",
-                            '[{"backward_dq_consumers": 2, "backward_dq_block_n": 64}]']) == 0
-  assert [p.name for p in tmp_path.iterdir()] == ["dq2_check.json"]
-  cases = [r for r in ran if r != "extra"]
-  assert cases and all("off-table" in r for r in cases)
-  assert len(cases) == sum("off-table" in c[0] for c in mosaic_check.backward_cases())
-  assert ran.count("extra") == 2     # the NaN row and vmap, whatever --only selects
-
-
-def test_allowance_share_names_the_worst_element():
-  # The vmap check's worst element: the largest share of its allowance, not the largest
-  # margin (an element equal to 0 in both calls, with nothing allowed, is not the worst).
-  from experiments.mosaic_check import allowance_share
-  diff = np.array([0.0, 4.9e-4, 1e-3, 0.0])
-  allowed = np.array([0.0, 5e-4, 1e-2, 1e-3])
-  np.testing.assert_allclose(allowance_share(diff, allowed), [0.0, 0.98, 0.1, 0.0])
-  assert np.argmax(allowance_share(diff, allowed)) == 1
-  assert allowance_share(np.array([1e-9]), np.array([0.0]))[0] == np.inf
-  # a NaN (in either call, so in its allowance too) is the worst element, not a 0 share
-  nan_share = allowance_share(np.array([1e-4, np.nan]), np.array([1e-3, np.nan]))
-  assert nan_share[1] == np.inf and np.argmax(nan_share) == 1
-  assert allowance_share(np.array([np.nan]), np.array([1e-3]))[0] == np.inf  # inf - inf
-
-
-def test_mosaic_check_backward_variants_on_a_cpu(capsys):
-  # `mosaic_check --backward --backward-configs`: each variant's checks, interpreted on
-  # a CPU (the device check bypassed, the kernels under Mosaic GPU's interpreter); a
-  # bad field is refused before anything compiles.
-  from experiments import mosaic_check
-  from jflash import mosaic_impl
-  capability = mosaic_impl.device_capability
-  try:
-    # (one consumer: the interpreter runs warp-specialised programs slowly)
-    assert mosaic_check.main(["--backward", "--tiny", "--backward-configs",
-                              '[{"backward_fused_dq": true, "backward_consumers": 1}]']) == 0
-    out = capsys.readouterr().out
-    # A variant leaves out the checks whose GQA group its group_splits does not divide
-    # (here all three: groups 2, 1, 2), where the kernel would refuse the call.
-    assert mosaic_check.main(["--backward", "--tiny", "--backward-configs",
-                              '[{"backward_group_splits": 4}]']) == 0
-  finally:
-    mosaic_impl.device_capability = capability
-  assert "T=70 S=90 consumers=1 fused_dq" in out and "'ok': False" not in out
-  left_out = capsys.readouterr().out
-  assert left_out.count("does not divide the GQA group") == 3 and "'name'" not in left_out
-  assert mosaic_check.leaves_out({"backward_group_splits": 2}, (2, 1, 70, 70, 4, 2, 64)) is None
-  assert "head_dim=256 runs two consumers" in mosaic_check.leaves_out(
-      {"backward_consumers": 1}, (1, 1024, 1024, 4, 4, 256))
-  for bad, match in (('[{"backward_consumers": 3}]', "backward_consumers=3"),
-                     ('[]', "non-empty"), ('[{"consumers": 2}]', "not backward fields"),
-                     ('[{}, {}]', "repeats a variant")):
-    with pytest.raises(ValueError, match=match):
-      mosaic_check.main(["--backward", "--backward-configs", bad])
-  with pytest.raises(ValueError, match="needs --name"):
-    mosaic_check.main(["--backward", "--no-check", "--no-timing", "--backward-configs",
-                       '[{"backward_fused_dq": true}]'])
-  with pytest.raises(ValueError, match=r"--peers \['cuDNN'\]"):   # the backward's peers by name
-    mosaic_check.main(["--backward", "--no-check", "--peers", "cuDNN,pallas"])
 
 
 def test_ncu_summary_keeps_each_kernels_last_launch(tmp_path, capsys):
@@ -521,44 +450,6 @@ def test_a_program_that_fails_while_timed_leaves_the_others_timed(monkeypatch):
   assert times["b"] == {"error": "RuntimeError: device lost"}
   assert times["a"]["rounds"] == 4
   assert common.time_alternating({}) == {}
-
-
-def test_mosaic_check_times_rows_the_benchmarks_way(monkeypatch):
-  # `--cells` selects rows by name (a cell's causal row alone), and `--as-benchmark`
-  # rotates the benchmark's input sets from call to call (no call reads the previous
-  # call's inputs from L2) in its rounds. The timed programs are stubbed: this tests the
-  # script's plumbing, not a kernel.
-  import argparse
-  from experiments import mosaic_check
-  from experiments.bench import specs
-  method = mosaic_check.timing_method(argparse.Namespace(as_benchmark=True))
-  assert method == dict(input_sets=specs.N_INPUT_SETS, round_s=specs.ROUND_S)
-  assert mosaic_check.timing_method(argparse.Namespace(as_benchmark=False)) == {}
-  seen = {}
-
-  def stub_together(fns, sets_of, flops, rounds, row, check=None, round_s=0.2):
-    seen[row["cell"]] = (sorted(fns), len(sets_of("x")), round_s)
-  monkeypatch.setattr(mosaic_check, "time_together", stub_together)
-  monkeypatch.setattr(mosaic_check, "_inputs",
-                      lambda shape, dtype, seed: (np.full(1, seed, np.float32),) * 3)
-  monkeypatch.setattr(mosaic_check, "forward_fns", lambda causal, peers: {"cudnn": None})
-  monkeypatch.setattr(mosaic_check, "CELLS", [("4K d64", 4, 4096, 32, 64)])
-  rows = mosaic_check.time_cells(2, False, ["cudnn"], ["d64 causal"], **method)
-  assert [r["cell"] for r in rows] == ["4K d64 causal"]
-  assert seen == {"4K d64 causal": (["cudnn"], specs.N_INPUT_SETS, specs.ROUND_S)}
-  # A regular expression anchored at the end takes a cell's row without a mask alone;
-  # one that does not compile is refused by name before anything runs.
-  assert [r["cell"] for r in mosaic_check.time_cells(2, False, ["cudnn"], ["d64$"],
-                                                      **method)] == ["4K d64"]
-  with pytest.raises(ValueError, match=r"--cells pattern 'd64\(' is not a regular"):
-    mosaic_check.main(["--backward", "--cells", "d128,d64("])
-  counted = []
-  rows = {"tflops": {}}
-  sets = [(np.float32(i),) for i in range(3)]
-  monkeypatch.undo()
-  mosaic_check.time_together({"f": lambda x: counted.append(float(x)) or x},
-                             lambda label: sets, 1e9, 2, rows, round_s=0.001)
-  assert set(counted) == {0.0, 1.0, 2.0} and rows["tflops"]["f"] > 0
 
 
 def test_launch_model_orders_are_the_grid_and_balance_as_stated():

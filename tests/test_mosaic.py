@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -146,16 +145,6 @@ def test_falls_back_to_the_next_implementation():
   got = jflash.attention(q, k, v, is_causal=True, implementation=("mosaic_gpu", "xla_chunked"))
   want = jflash.attention(q, k, v, is_causal=True, implementation="xla_chunked")
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.parametrize("capability, first", [("9.0", "mosaic_gpu"), ("8.0", "pallas")])
-def test_default_order_puts_mosaic_first_on_hopper(monkeypatch, capability, first):
-  device = types.SimpleNamespace(platform="gpu", compute_capability=capability,
-                                 client=types.SimpleNamespace(platform_version="cuda 13.0"))
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(jax, "devices", lambda *a: [device])
-  order = api.default_implementation()
-  assert order[0] == first and ("mosaic_gpu" in order) == (capability == "9.0")
 
 
 # -- MosaicGPUConfig: what a user sets runs as set, or the call raises ----------------------

@@ -20,32 +20,10 @@ declare -A CASES=(
   [fwd_d64]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only"
   [fwd_d64_causal]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --causal"
   [fwd_d256]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only"
-  # scores_ahead off at d = 256 (its default) and on at d = 64 (slower there, not yet known why)
-  [fwd_d256_not_ahead]="--seq 4096 --head-dim 256 --heads 8 --batch 4 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":false}"
-  [fwd_d64_ahead]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"scores_ahead\":true,\"consumers\":2}"
-  # lazy_rescale on at d = 64 (slower there, docs/notes/mosaic_notes.md; two consumers, the
-  # ping-pong of sass_d64_lazy_h200.txt (git history at 939d587), where the default now has three without a
-  # causal mask) and off at d = 128 (its default; 2-3% faster with it in one process)
-  [fwd_d64_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":true,\"consumers\":2}"
-  [fwd_d64_causal_lazy]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --forward-only --causal --config {\"lazy_rescale\":true}"
-  [fwd_d128_not_lazy]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only --config {\"lazy_rescale\":false}"
   [bwd_d64]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu"
   [bwd_d128_triton]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward pallas"
-  [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_consumers\":1}"
-  [bwd_d128_fused1]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_consumers\":1}"
+  [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu"
   [fwd_d128]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only"
-  [bwd_d128_ws]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_consumers\":2}"
-  [bwd_d128_fused2]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_consumers\":2}"
-  # dQ in the dK/dV kernel on d = 64's tiles, each consumer's whole tile or its rows
-  # (fused_dq_row_split): do the dK/dV accumulators, S^T, dP^T and the dQ result fit?
-  [bwd_d64_fused]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true}"
-  [bwd_d64_fused_rows]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_fused_dq\":true,\"backward_block_n\":128,\"backward_stats_streamed\":true,\"backward_fused_dq_row_split\":true}"
-  # the d = 128 dK/dV kernel with K and V rows as its first products' A operands, beside
-  # the default (bwd_d128_ws): how many more bytes does the consumer spill?
-  [bwd_d128_dkv_rows]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_rows_in_registers\":true}"
-  # both score products issued before the softmax (dkv_p_under_dp, dq_p_under_dp)
-  [bwd_d128_p_under_dp]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_p_under_dp\":true,\"backward_dq_p_under_dp\":true}"
-  [bwd_d64_p_under_dp]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu --config {\"backward_dkv_p_under_dp\":true,\"backward_dq_p_under_dp\":true}"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats

@@ -42,7 +42,7 @@ def main(argv=None):
   p.add_argument("--backward", default="auto", choices=("auto", "mosaic_gpu", "pallas"),
                  help='MosaicGPUConfig.backward, for --implementation mosaic_gpu')
   p.add_argument("--config", default=None,
-                 help='more MosaicGPUConfig fields as JSON, e.g. \'{"backward_fused_dq": true}\'')
+                 help='more MosaicGPUConfig fields as JSON, e.g. \'{"backward_block_n": 128}\'')
   p.add_argument("--forward-only", action="store_true")
   p.add_argument("--steps", type=int, default=3)
   args = p.parse_args(argv)

@@ -6,7 +6,7 @@
 #   BENCH_SMOKE=1 bash experiments/tools/run_h200.sh /tmp/out  # the same steps, tiny, on a CPU
 #
 # Steps, each with its own timeout taken from what is left, each non-fatal:
-#   1. python -m experiments.pallas_check and experiments.mosaic_check
+#   1. python -m experiments.pallas_check and the Mosaic GPU tests compiled (pytest)
 #   2. benchmark A: jflash (pallas, mosaic_gpu) against cuDNN on the FA-2 quick cells,
 #      the d=256 cell and the model-shape preset
 #   3. benchmark B: every other peer on the FA-2 quick cells, then the memory table
@@ -66,31 +66,16 @@ fi
 # 1. Correctness against float64 (the checks write their own JSON; the benchmark times).
 # PALLAS_CHECK_ARGS (e.g. "--preset fa2") narrows the Triton check; SKIP_PALLAS_CHECK=1 /
 # SKIP_MOSAIC_CHECK=1 leave out a check whose kernels are unchanged since its committed
-# run; MOSAIC_BACKWARD_CHECK=1 adds the gradients of the Mosaic GPU backward.
+# run.
 if [ "${SKIP_PALLAS_CHECK:-0}" != 1 ]; then
   step pallas_check $(( $(left) * 25 / 100 )) $py -m experiments.pallas_check --out-dir "$out" \
     ${check_flags[@]+"${check_flags[@]}"} ${PALLAS_CHECK_ARGS:-}
 fi
-if [ "${MOSAIC_BACKWARD_CHECK:-0}" = 1 ]; then
-  step mosaic_backward_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
-    --backward --no-timing --out-dir "$out"
-fi
-# MOSAIC_OVERLAP_CHECK=1: the forward cases with the in-warpgroup overlap (sweep them
-# with `python -m experiments.mosaic_check --sweep`).
-if [ "${MOSAIC_OVERLAP_CHECK:-0}" = 1 ]; then
-  step mosaic_overlap_check $(( $(left) * 20 / 100 )) $py -m experiments.mosaic_check \
-    --config '{"overlap": true}' --no-timing --name mosaic_overlap_check_h200 --out-dir "$out"
-fi
-# MOSAIC_WS_CHECK=1: the warp-specialised backward's gradients, then its timing against
-# the Triton backward and cuDNN, in a process of its own (a hang costs only its share).
-if [ "${MOSAIC_WS_CHECK:-0}" = 1 ]; then
-  step mosaic_ws_check $(( $(left) * 30 / 100 )) $py -m experiments.mosaic_check \
-    --backward --backward-configs '[{"backward_consumers": 2}]' --rounds 3 \
-    --name mosaic_backward_check_h200_ws --out-dir "$out"
-fi
-if [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ]; then
-  step mosaic_check $(( $(left) * 25 / 100 )) $py -m experiments.mosaic_check \
-    --no-timing --out-dir "$out"
+if [ "${SKIP_MOSAIC_CHECK:-0}" != 1 ] && [ -z "${BENCH_SMOKE:-}" ]; then
+  # The Mosaic GPU tests run compiled on a Hopper GPU (tests/mosaic_support.py; on a
+  # CPU they run interpreted in the suite instead).
+  step mosaic_tests $(( $(left) * 25 / 100 )) $py -m pytest -q -p no:cacheprovider \
+    tests/test_mosaic.py tests/test_mosaic_backward.py --junitxml "$out/mosaic_tests.xml"
 fi
 
 # 2-3. The benchmark in two processes: A (what the targets need) before B (the peer table).

@@ -1,7 +1,7 @@
 """FlashAttention backward on Pallas Mosaic GPU for Hopper: (q, k, v, out, lse, dO) ->
 (dq, dk, dv): the launcher of the dK/dV kernel (dkv.py) and the dQ kernel (dq.py).
 Checked against float64 by tests/test_mosaic_backward.py: on a CPU lowered and run by
-Mosaic GPU's own interpreter, on a Hopper GPU compiled (JFLASH_TEST_GPU=1).
+Mosaic GPU's own interpreter, on a Hopper GPU compiled (tests/mosaic_support.py).
 
 The math is the Triton backward's (pallas_kernels.backward; FlashAttention-2,
 Algorithm 2): P = exp2(s * c - lse2) is recomputed from the base-2 log-sum-exp,
