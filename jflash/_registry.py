@@ -27,6 +27,14 @@ def _pallas():
                         preferred_on=pallas_impl.PREFERRED_ON)
 
 
+def _pallas_decode():
+  # Its backward is the "pallas" one: the decode kernel's (out, lse) are the forward's.
+  from jflash import decode_impl, pallas_impl
+  return Implementation("pallas_decode", forward=decode_impl.forward,
+                        backward=pallas_impl.backward, supports=decode_impl.supports,
+                        preferred_on=decode_impl.PREFERRED_ON)
+
+
 def _mosaic_gpu():
   from jflash import mosaic_impl
   return Implementation("mosaic_gpu", forward=mosaic_impl.forward,
@@ -52,6 +60,9 @@ def _cudnn():
 register_implementation("xla", _xla)
 register_implementation("xla_chunked", _xla_chunked)
 register_implementation("pallas", _pallas)
+# Before "mosaic_gpu": on Hopper, `implementation=None` tries the split-KV decode
+# kernel first (it refuses all but small T), ties being broken by registration order.
+register_implementation("pallas_decode", _pallas_decode)
 register_implementation("mosaic_gpu", _mosaic_gpu)
 register_implementation("hip", _hip)
 register_implementation("cudnn", _cudnn)

@@ -546,12 +546,14 @@ def attention(
       in the backward pass, never stored.
     dropout_rng: one PRNG key (`jax.random.key(seed)`, or the uint32[2] of
       `jax.random.PRNGKey(seed)`).
-    implementation: "mosaic_gpu", "pallas", "xla_chunked", "xla", "hip", "cudnn"
-      (`jax.nn.dot_product_attention(implementation="cudnn")`, CUDA GPUs), a sequence
-      of these (the next is tried only when one raises `NotImplementedError`), or None
-      for what `jflash.default_implementation()` lists for the default device (Hopper:
-      mosaic_gpu, pallas, xla_chunked; other GPUs: pallas, xla_chunked; else
-      xla_chunked). An unknown name is a ValueError.
+    implementation: "mosaic_gpu", "pallas", "pallas_decode" (the split-KV decode
+      kernel: T <= 64, forward; "pallas" runs it too for such calls), "xla_chunked",
+      "xla", "hip", "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`,
+      CUDA GPUs), a sequence of these (the next is tried only when one raises
+      `NotImplementedError`), or None for what `jflash.default_implementation()` lists
+      for the default device (Hopper: pallas_decode, mosaic_gpu, pallas, xla_chunked;
+      other GPUs: pallas, xla_chunked; else xla_chunked). An unknown name is a
+      ValueError.
     config: a backend config (`jflash.PallasConfig`, `jflash.MosaicGPUConfig`,
       `jflash.ChunkedConfig`, `jflash.HipConfig`) or a sequence of them, one per
       backend; each tunes only its own implementation ("mosaic_gpu" runs the Pallas

@@ -4,11 +4,18 @@ The one adapter between jflash's vocabulary and the kernel package's own records
 `Masks` -> `pallas_kernels.masking.MaskOptions` (static) and `MaskOperands` (arrays and
 the data-dependent tile schedule), through `jflash.masks.kernel_records`; `PallasConfig`
 -> `pallas_kernels.tuning.BlockSizes`.
+
+Calls of few query rows (T <= 64: decoding) without a `PallasConfig` run their forward
+on the split-KV decode kernel (`jflash.decode_impl`, pallas_kernels/decode.py) when it
+takes their masks; their backward is the same FlashAttention-2 backward as every
+other call's, from the saved (q, k, v, out, lse). A `PallasConfig` asks for the
+regular kernels' tiles, so it runs them.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from jflash import decode_impl
 from jflash.config import PallasConfig
 from jflash.derivatives import first_order_only
 from jflash.masks import Masks, kernel_records
@@ -43,6 +50,8 @@ def _block_sizes(cfg) -> BlockSizes | None:
 
 
 def forward(q, k, v, cfg, masks):
+  if cfg.backend_config(PallasConfig) is None and decode_impl.applies(q, k, v, cfg, masks):
+    return decode_impl.forward(q, k, v, cfg, masks)
   fwd = lambda q, k, v, masks: _fwd.flash_forward(
       q, k, v, scale=cfg.scale, **_records(q, k, masks), block_sizes=_block_sizes(cfg))
   return first_order_only(fwd, "the pallas forward kernel")(q, k, v, masks)

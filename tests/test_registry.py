@@ -19,7 +19,7 @@ def _device(platform, version="", capability=None):
 
 @pytest.mark.parametrize("device, kinds, order", [
     (_device("gpu", "cuda 13.0", "9.0"), ("hopper", "cuda", "gpu", "any"),
-     ("mosaic_gpu", "pallas", "xla_chunked")),
+     ("pallas_decode", "mosaic_gpu", "pallas", "xla_chunked")),
     (_device("gpu", "cuda 13.0", "8.0"), ("cuda", "gpu", "any"), ("pallas", "xla_chunked")),
     (_device("gpu", "rocm 7.0"), ("rocm", "gpu", "any"), ("pallas", "xla_chunked")),
     (_device("cpu"), ("cpu", "any"), ("xla_chunked",)),
@@ -41,7 +41,7 @@ def test_a_registered_implementation_takes_its_place_in_the_order(monkeypatch):
   try:
     hopper = _device("gpu", "cuda 13.0", "9.0")
     assert api.default_implementation(hopper) == (
-        "mosaic_gpu", "pallas", "extra", "xla_chunked")
+        "pallas_decode", "mosaic_gpu", "pallas", "extra", "xla_chunked")
     assert api.default_implementation(_device("cpu")) == ("xla_chunked",)
   finally:
     api._REGISTRY.pop("extra")
@@ -60,8 +60,8 @@ def _jflash_imports(path):
   return names
 
 
-@pytest.mark.parametrize("adapter", ["pallas_impl", "mosaic_impl", "hip_impl", "chunked",
-                                     "derivatives", "platforms"])
+@pytest.mark.parametrize("adapter", ["pallas_impl", "decode_impl", "mosaic_impl", "hip_impl",
+                                     "chunked", "derivatives", "platforms"])
 def test_no_backend_adapter_imports_the_api(adapter):
   # jflash.api imports the adapters (through the registry); an adapter importing it
   # back would make a circle.

@@ -1,0 +1,201 @@
+"""KV caches for decoding: appending new keys in place, and attention over a cache,
+contiguous or paged.
+
+Layouts (shapes as in `jflash.attention`):
+  contiguous  k, v [B, S, K, H], per-row lengths [B]: row b's keys are k[b, :lengths[b]].
+  paged       k_pages, v_pages [pages, page_size, K, H], block_tables [B, max_pages]
+              int32, lengths [B]: key c of row b lies in page block_tables[b, c //
+              page_size] at c % page_size (vLLM's PagedAttention, flash-attn's
+              `flash_attn_with_kvcache(block_table=...)`).
+
+`append` and `append_paged` write the new keys with one scatter into the cache arrays:
+under `jax.jit` with the cache donated (`donate_argnums`), XLA updates the buffers in
+place, so a decode step never copies the cache. Positions past the cache are dropped,
+never clamped onto valid entries.
+
+`attention` is the query side: the new queries sit after the cache (bottom-right
+causal alignment, `jflash.attention(causal_alignment="bottom_right")`), so with the new
+keys appended first it computes exactly the rows of full causal attention over the
+concatenated sequence. The contiguous cache goes through `jflash.attention` (any
+implementation, differentiable); the paged one through the split-KV decode kernel
+(pallas_kernels/decode.py), forward only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jflash import api
+from jflash.masks import Masks
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """One contiguous cache (or a stack of them, one per layer, along a leading axis):
+  k, v [..., B, S, K, H] and lengths [..., B] int32, the keys held per row."""
+
+  k: Array
+  v: Array
+  lengths: Array
+
+  @classmethod
+  def empty(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype,
+            layers: int | None = None) -> KVCache:
+    lead = () if layers is None else (layers,)
+    zeros = jnp.zeros((*lead, batch, max_len, kv_heads, head_dim), dtype)
+    return cls(zeros, zeros, jnp.zeros((*lead, batch), jnp.int32))
+
+  def append(self, k_new, v_new, new_lengths=None) -> KVCache:
+    """`append` of one layer's new keys and values."""
+    return KVCache(*append(self.k, self.v, self.lengths, k_new, v_new, new_lengths))
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "lengths"], meta_fields=[])
+
+
+def _new_lengths(new_lengths, B, T):
+  if new_lengths is None:
+    return jnp.full((B,), T, jnp.int32)
+  return api.check_lengths("new_lengths", new_lengths, B, T)
+
+
+def _check_new(k_new, v_new, B, K, H, where):
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (K, H):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B, T, K, H] = "
+                       f"[{B}, T, {K}, {H}] to match the {where}")
+  if k_new.shape != v_new.shape:
+    raise ValueError(f"k_new.shape={tuple(k_new.shape)} and v_new.shape="
+                     f"{tuple(v_new.shape)} must be equal")
+
+
+def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None):
+  """Writes row b's first new_lengths[b] (default T) new keys/values at positions
+  lengths[b] .. of a contiguous cache; returns (k_cache, v_cache, lengths +
+  new_lengths). Positions at or past S are dropped (the caller sizes the cache)."""
+  B, S, K, H = k_cache.shape
+  if v_cache.shape != k_cache.shape:
+    raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
+                     f"k_cache.shape={tuple(k_cache.shape)}")
+  _check_new(k_new, v_new, B, K, H, "cache")
+  T = k_new.shape[1]
+  lengths = api.check_lengths("lengths", lengths, B, S)
+  n = _new_lengths(new_lengths, B, T)
+  t = jnp.arange(T)[None, :]
+  # Padding of a ragged chunk goes out of bounds and is dropped by the scatter.
+  pos = jnp.where(t < n[:, None], lengths[:, None] + t, S)           # [B, T]
+  rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  k_cache = k_cache.at[rows, pos].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, pos].set(v_new.astype(v_cache.dtype), mode="drop")
+  return k_cache, v_cache, jnp.minimum(lengths + n, S)
+
+
+def append_paged(k_pages, v_pages, block_tables, lengths, k_new, v_new, new_lengths=None):
+  """`append` for a paged cache: new key t of row b goes to page block_tables[b, (lengths[b]
+  + t) // page_size]. Returns (k_pages, v_pages, lengths + new_lengths); positions past
+  the row's table are dropped."""
+  P, page_size, K, H = k_pages.shape
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
+                     f"k_pages.shape={tuple(k_pages.shape)}")
+  B, max_pages = _check_table(block_tables)
+  _check_new(k_new, v_new, B, K, H, "pages")
+  T = k_new.shape[1]
+  capacity = max_pages * page_size
+  lengths = api.check_lengths("lengths", lengths, B, capacity)
+  n = _new_lengths(new_lengths, B, T)
+  pos = lengths[:, None] + jnp.arange(T)[None, :]                     # [B, T]
+  live = (jnp.arange(T)[None, :] < n[:, None]) & (pos < capacity)
+  page = jnp.take_along_axis(block_tables.astype(jnp.int32),
+                             jnp.minimum(pos // page_size, max_pages - 1), axis=1)
+  page = jnp.where(live, page, P)                                     # dropped
+  off = pos % page_size
+  k_pages = k_pages.at[page, off].set(k_new.astype(k_pages.dtype), mode="drop")
+  v_pages = v_pages.at[page, off].set(v_new.astype(v_pages.dtype), mode="drop")
+  return k_pages, v_pages, jnp.minimum(lengths + n, capacity)
+
+
+def _check_table(block_tables):
+  if (not hasattr(block_tables, "dtype") or not jnp.issubdtype(block_tables.dtype, jnp.integer)
+      or block_tables.ndim != 2):
+    raise ValueError("block_tables must be an integer [B, max_pages] array, got "
+                     f"{getattr(block_tables, 'dtype', type(block_tables))} "
+                     f"{tuple(getattr(block_tables, 'shape', ()))}")
+  return block_tables.shape
+
+
+def attention(q, k_cache, v_cache, lengths, *, query_seq_lengths=None, block_tables=None,
+              scale=None, is_causal=True, logits_soft_cap=None, implementation=None):
+  """Attention of new queries q [B, T, N, H] over a cache holding lengths[b] keys per
+  row, the queries' own keys included (append them first): query t of row b sits at
+  position lengths[b] - q_len[b] + t (bottom-right alignment; q_len = query_seq_lengths,
+  default T).
+
+  Contiguous (`block_tables` None): `jflash.attention` with `implementation`. Paged:
+  k_cache, v_cache are [pages, page_size, K, H] pages read through `block_tables`
+  [B, max_pages] by the split-KV decode kernel (T <= 64; no gradient: its backward
+  raises NotImplementedError).
+  """
+  if block_tables is None:
+    return api.attention(q, k_cache, v_cache, scale=scale, is_causal=is_causal,
+                         causal_alignment="bottom_right", query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=lengths, logits_soft_cap=logits_soft_cap,
+                         implementation=implementation)
+  if implementation not in (None, "pallas_decode"):
+    raise NotImplementedError(
+        f"a paged cache is read by the split-KV decode kernel ('pallas_decode') only, "
+        f"got implementation={implementation!r}")
+  return _paged_attention(q, k_cache, v_cache, block_tables, lengths,
+                          query_seq_lengths=query_seq_lengths, scale=scale, is_causal=is_causal,
+                          logits_soft_cap=logits_soft_cap)
+
+
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_lengths, scale,
+                     is_causal, logits_soft_cap):
+  from jflash import decode_impl
+  from pallas_kernels import decode as _decode
+  P, page_size, K, H = k_pages.shape
+  B, max_pages = _check_table(block_tables)
+  capacity = max_pages * page_size
+  # The one validation of the query side: prepare checks q against a stand-in key of
+  # the cache's logical shape (nothing is materialised: only shapes are read).
+  k_view = jax.ShapeDtypeStruct((B, capacity, K, H), k_pages.dtype)
+  cfg, masks = api.prepare(q, k_view, k_view, scale=scale, is_causal=is_causal,
+                           causal_alignment="bottom_right", query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=lengths, logits_soft_cap=logits_soft_cap)
+  decode_impl.supports(q, k_view, k_view, cfg, masks)
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
+                     f"k_pages.shape={tuple(k_pages.shape)}")
+  info = decode_impl.row_info(masks, B, q.shape[1], capacity)
+  q = api.zero_padding(q, q, q, Masks(q_lengths=masks.q_lengths))[0]
+
+  @jax.custom_vjp
+  def run(q, k_pages, v_pages):
+    return _decode.decode_forward(q, k_pages, v_pages, info, scale=cfg.scale,
+                                  is_causal=masks.is_causal, soft_cap=masks.soft_cap,
+                                  block_tables=block_tables)[0]
+
+  def fwd(q, k_pages, v_pages):
+    return run(q, k_pages, v_pages), None
+
+  def bwd(_, __):
+    raise NotImplementedError(
+        "gradients through the paged split-KV decode kernel are not implemented; "
+        "differentiate a contiguous cache (block_tables=None), which runs jflash.attention")
+
+  run.defvjp(fwd, bwd)
+  return run(q, k_pages, v_pages)
+
+
+def paged_view(k_pages, block_tables):
+  """The contiguous [B, max_pages * page_size, K, H] cache a paged one stands for (a
+  gather: for tests and references, not for the decode path)."""
+  P, page_size, K, H = k_pages.shape
+  B, max_pages = _check_table(block_tables)
+  return k_pages[block_tables].reshape(B, max_pages * page_size, K, H)
+

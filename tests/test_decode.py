@@ -1,0 +1,280 @@
+"""The split-KV decode kernel (pallas_kernels/decode.py, interpreted on the CPU) and the
+KV caches (jflash.kv_cache): a decode step and a ragged chunked prefill over a cache
+equal full causal attention's rows of the concatenated sequence (float64 NumPy truth,
+tolerance rule of tests/attention_test_base.py with "xla" over the whole sequence as
+the plain implementation); paged and contiguous caches give bit-identical results
+through the same kernel; appending writes in place."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import decode_impl, kv_cache
+from pallas_kernels import decode as dk
+from tests.attention_test_base import floor, max_err
+
+F32 = jnp.float32
+
+
+def _cache_problem(cache, new, *, S, N, K, H, seed):
+  """A cache of `cache[b]` keys per row and `new[b]` new tokens (right-padded to T):
+  the call's (q, k, v, do), its lengths, and the concatenated sequence's problem."""
+  B, T = len(cache), max(new)
+  r = np.random.default_rng(seed)
+  full = np.asarray(cache) + np.asarray(new)
+  qf, kf, vf = (r.standard_normal(s) for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H)))
+  dof = np.zeros((B, S, N, H))
+  q = np.full((B, T, N, H), np.nan)
+  do = np.zeros((B, T, N, H))
+  for b, (L, n) in enumerate(zip(cache, new)):
+    q[b, :n] = qf[b, L:L + n]
+    do[b, :n] = r.standard_normal((n, N, H))
+    dof[b, L:L + n] = do[b, :n]
+  k, v = kf.copy(), vf.copy()
+  for b, F in enumerate(full):
+    k[b, F:] = v[b, F:] = np.nan          # stale cache entries past each row's length
+  arr = lambda x: jnp.asarray(x, F32)
+  return (dict(q=arr(q), k=arr(k), v=arr(v), do=arr(do), q_len=jnp.asarray(new, jnp.int32),
+               kv_len=jnp.asarray(full, jnp.int32)),
+          dict(q=arr(qf), k=arr(kf), v=arr(vf), do=arr(dof), kv_len=full))
+
+
+def _check_rows(got, plain, ref, cache, new, name, length):
+  for b, (L, n) in enumerate(zip(cache, new)):
+    g = np.asarray(got[b, :n], np.float64)
+    assert np.all(np.isfinite(g)), f"row {b} {name}: non-finite"
+    want, p = ref[b, L:L + n], plain[b, L:L + n]
+    err, err_plain = max_err(g, want), max_err(p, want)
+    assert err <= 2 * err_plain + floor(F32, want, length), (b, name, err, err_plain)
+    np.testing.assert_array_equal(np.asarray(got[b, n:]), 0)      # padded query rows
+
+
+CASES = [((40, 3, 0), (1, 1, 1), 8, 2, 48),        # decode, GQA 4, head dim 48
+         ((9, 31, 0), (16, 7, 1), 4, 2, 32),       # ragged chunked prefill
+         ((50, 17), (1, 1), 4, 4, 16)]             # decode, MHA
+CASE_IDS = ["decode_gqa", "chunked_prefill", "decode_mha"]
+
+
+@pytest.mark.parametrize("cache,new,N,K,H", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_rows_equal_full_causal_attention(cache, new, N, K, H, num_splits):
+  S = 64
+  call, full = _cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=1)
+  masks = jflash.prepare(call["q"], call["k"], call["v"], is_causal=True,
+                         causal_alignment="bottom_right", query_seq_lengths=call["q_len"],
+                         key_value_seq_lengths=call["kv_len"])[1]
+  info = decode_impl.row_info(masks, len(cache), call["q"].shape[1], S)
+  q = jnp.nan_to_num(call["q"])           # the kernel ignores rows past q_len
+  out, lse = dk.decode_forward(q, call["k"], call["v"], info, scale=H ** -0.5, is_causal=True,
+                               blocks=dk.DecodeBlocks(block_k=16, num_splits=num_splits))
+  ref_out, ref_lse = jflash.attention_numpy(full["q"], full["k"], full["v"], is_causal=True,
+                                            key_value_seq_lengths=full["kv_len"])
+  plain, plain_lse = jflash.attention(full["q"], full["k"], full["v"], is_causal=True,
+                                      key_value_seq_lengths=full["kv_len"],
+                                      implementation="xla", return_residuals=True)
+  _check_rows(out, plain, ref_out, cache, new, "out", S)
+  for b, (L, n) in enumerate(zip(cache, new)):
+    err = max_err(lse[b, :, :n], ref_lse[b, :, L:L + n])
+    err_plain = max_err(plain_lse[b, :, L:L + n], ref_lse[b, :, L:L + n])
+    assert err <= 2 * err_plain + floor(F32, ref_lse[b, :, L:L + n], S), (b, err, err_plain)
+    assert np.all(np.asarray(lse[b, :, n:]) == -np.inf)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_decode", "pallas"])
+@pytest.mark.parametrize("cache,new,N,K,H", CASES[:2], ids=CASE_IDS[:2])
+def test_gradients_through_the_regular_backward(implementation, cache, new, N, K, H):
+  # "pallas" without a PallasConfig runs the decode kernel for T <= 64; both take the
+  # gradient from the regular backward kernels.
+  S = 64
+  call, full = _cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=2)
+
+  def fwd_bwd(fn, q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+  got = jax.jit(lambda q, k, v, do: fwd_bwd(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=call["q_len"],
+      key_value_seq_lengths=call["kv_len"], implementation=implementation), q, k, v, do))(
+          call["q"], call["k"], call["v"], call["do"])
+  plain = fwd_bwd(lambda q, k, v: jflash.attention(
+      q, k, v, is_causal=True, key_value_seq_lengths=full["kv_len"], implementation="xla"),
+      full["q"], full["k"], full["v"], full["do"])
+  ref = jflash.attention_numpy(full["q"], full["k"], full["v"], is_causal=True,
+                               key_value_seq_lengths=full["kv_len"], dout=full["do"])
+  _check_rows(got[0], plain[0], ref[0], cache, new, "out", S)
+  _check_rows(got[1], plain[1], ref[2], cache, new, "dq", S)
+  T = call["q"].shape[1]
+  for i, name in ((2, "dk"), (3, "dv")):
+    for b, F in enumerate(full["kv_len"]):
+      err, err_plain = max_err(got[i][b, :F], ref[i + 1][b, :F]), max_err(plain[i][b, :F],
+                                                                          ref[i + 1][b, :F])
+      bound = 2 * err_plain + floor(F32, ref[i + 1][b, :F], max(S, T * N // K))
+      assert err <= bound, (b, name, err, err_plain)
+
+
+def test_pallas_picks_the_decode_kernel_for_small_T(monkeypatch):
+  calls = []
+  original = dk.decode_forward
+  monkeypatch.setattr(dk, "decode_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+  x = jnp.ones((1, 3, 2, 16), F32)
+  k = jnp.ones((1, 40, 2, 16), F32)
+  jflash.attention(x, k, k, implementation="pallas")
+  assert calls, "T = 3 should run the split-KV kernel"
+  calls.clear()
+  jflash.attention(x, k, k, implementation="pallas",
+                   config=jflash.PallasConfig(16, 16, 16, 16, 16, 16))
+  assert not calls, "a PallasConfig asks for the regular kernels' tiles"
+
+
+def test_unsupported_calls_raise():
+  q = jnp.ones((1, 65, 2, 16), F32)
+  with pytest.raises(NotImplementedError, match="T <= 64"):
+    jflash.attention(q, q, q, implementation="pallas_decode")
+  q = q[:, :2]
+  with pytest.raises(NotImplementedError, match="window"):
+    jflash.attention(q, q, q, local_window_size=3, implementation="pallas_decode")
+
+
+def test_nan_in_a_visible_key_reaches_the_row_and_stale_entries_do_not():
+  r = np.random.default_rng(3)
+  q = jnp.asarray(r.standard_normal((2, 1, 2, 16)), F32)
+  k = np.asarray(r.standard_normal((2, 40, 2, 16)), np.float32)
+  v = np.asarray(r.standard_normal((2, 40, 2, 16)), np.float32)
+  k[0, 5] = np.nan                       # visible in row 0
+  v[1, 30:] = np.nan                     # stale in row 1 (length 30)
+  info = jnp.asarray([[1, 40, 39, 0, 0, 0, 0, 0], [1, 30, 29, 0, 0, 0, 0, 0]], jnp.int32)
+  out, _ = dk.decode_forward(q, jnp.asarray(k), jnp.asarray(v), info, scale=0.25, is_causal=True,
+                             blocks=dk.DecodeBlocks(block_k=16, num_splits=2))
+  assert np.all(np.isnan(np.asarray(out[0])))
+  assert np.all(np.isfinite(np.asarray(out[1])))
+
+
+# -- KV caches ----------------------------------------------------------------------------
+
+def _paged(k, page_size, seed):
+  """A paged copy of contiguous k [B, S, K, H] with pages in a shuffled order (and two
+  spare pages of NaN): (pages, block_tables)."""
+  B, S, K, H = k.shape
+  per_row = S // page_size
+  P = B * per_row + 2
+  order = np.random.default_rng(seed).permutation(P)
+  tables = order[:B * per_row].reshape(B, per_row).astype(np.int32)
+  pages = np.full((P, page_size, K, H), np.nan, np.float32)
+  pages[tables.reshape(-1)] = np.asarray(k).reshape(B * per_row, page_size, K, H)
+  return jnp.asarray(pages), jnp.asarray(tables)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_paged_equals_contiguous_bit_for_bit(T):
+  B, S, N, K, H, ps = 3, 64, 4, 2, 32, 16
+  r = np.random.default_rng(4)
+  q = jnp.asarray(r.standard_normal((B, T, N, H)), F32)
+  k = jnp.asarray(r.standard_normal((B, S, K, H)), F32)
+  v = jnp.asarray(r.standard_normal((B, S, K, H)), F32)
+  lengths = jnp.asarray([64, 23, T], jnp.int32)
+  kp, tables = _paged(k, ps, 5)
+  vp, _ = _paged(v, ps, 5)
+  info = jnp.stack([jnp.full((B,), T), lengths, lengths - T] + [jnp.zeros((B,), int)] * 5,
+                   1).astype(jnp.int32)
+  blocks = dk.DecodeBlocks(block_k=ps, num_splits=2)
+  contiguous = dk.decode_forward(q, k, v, info, scale=0.2, is_causal=True, blocks=blocks)
+  paged = dk.decode_forward(q, kp, vp, info, scale=0.2, is_causal=True, block_tables=tables,
+                            blocks=blocks)
+  for a, b in zip(contiguous, paged):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(kv_cache.paged_view(kp, tables)), np.asarray(k))
+
+
+def test_paged_attention_matches_jflash_attention_bit_for_bit():
+  # Pages of 128 keys: the same tiles and splits as the contiguous cache of 256.
+  B, S, N, K, H, ps = 2, 256, 4, 1, 16, 128
+  r = np.random.default_rng(6)
+  q = jnp.asarray(r.standard_normal((B, 1, N, H)), F32)
+  k = jnp.asarray(r.standard_normal((B, S, K, H)), F32)
+  v = jnp.asarray(r.standard_normal((B, S, K, H)), F32)
+  lengths = jnp.asarray([200, 131], jnp.int32)
+  kp, tables = _paged(k, ps, 7)
+  vp, _ = _paged(v, ps, 7)
+  paged = kv_cache.attention(q, kp, vp, lengths, block_tables=tables)
+  contiguous = kv_cache.attention(q, k, v, lengths, implementation="pallas_decode")
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(contiguous))
+  with pytest.raises(NotImplementedError, match="paged split-KV"):
+    jax.grad(lambda q: kv_cache.attention(q, kp, vp, lengths, block_tables=tables).sum())(q)
+
+
+def test_append_writes_in_place_and_drops_what_does_not_fit():
+  B, S, K, H, T = 3, 8, 1, 4, 3
+  r = np.random.default_rng(8)
+  cache = np.asarray(r.standard_normal((B, S, K, H)), np.float32)
+  new = np.asarray(r.standard_normal((B, T, K, H)), np.float32)
+  lengths = np.asarray([2, 6, 0])
+  n = np.asarray([3, 3, 1])
+  step = jax.jit(kv_cache.append, donate_argnums=(0, 1))
+  kc, vc = jnp.asarray(cache), jnp.asarray(cache + 1)
+  k2, v2, l2 = step(kc, vc, jnp.asarray(lengths), jnp.asarray(new), jnp.asarray(new + 1),
+                    jnp.asarray(n))
+  assert kc.is_deleted() and vc.is_deleted()           # the buffers were donated
+  want = cache.copy()
+  want[0, 2:5] = new[0]
+  want[1, 6:8] = new[1, :2]                             # the third one is past S: dropped
+  want[2, 0:1] = new[2, :1]
+  np.testing.assert_array_equal(np.asarray(k2), want)
+  np.testing.assert_array_equal(np.asarray(v2), want + 1)
+  np.testing.assert_array_equal(np.asarray(l2), [5, 8, 1])
+
+
+def test_append_paged_matches_append_on_the_view():
+  B, S, K, H, T, ps = 2, 32, 2, 4, 5, 8
+  r = np.random.default_rng(9)
+  k = jnp.asarray(r.standard_normal((B, S, K, H)), F32)
+  new = jnp.asarray(r.standard_normal((B, T, K, H)), F32)
+  lengths = jnp.asarray([6, 27], jnp.int32)
+  n = jnp.asarray([5, 5], jnp.int32)
+  kp, tables = _paged(k, ps, 10)
+  want, _, wl = kv_cache.append(k, k, lengths, new, new, n)
+  kp2, _, l2 = jax.jit(kv_cache.append_paged, donate_argnums=(0, 1))(
+      kp, kp + 0, tables, lengths, new, new, n)
+  np.testing.assert_array_equal(np.asarray(kv_cache.paged_view(kp2, tables)), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(l2), np.asarray(wl))
+
+
+@pytest.mark.parametrize("block_tables", [False, True], ids=["contiguous", "paged"])
+def test_decode_steps_over_a_cache_equal_full_causal_attention(block_tables):
+  # Prefill 5 tokens of row 0 and 2 of row 1, then decode 3 steps: every step's output
+  # is full causal attention's row over the sequence so far.
+  B, S, N, K, H, ps = 2, 32, 4, 2, 16, 16
+  r = np.random.default_rng(11)
+  qf, kf, vf = (jnp.asarray(r.standard_normal(s), F32)
+                for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H)))
+  prompt = np.asarray([5, 2])
+  kc = jnp.zeros((B, S, K, H), F32)
+  vc = jnp.zeros((B, S, K, H), F32)
+  tables = None
+  if block_tables:
+    kc, tables = _paged(kc, ps, 12)
+    vc, _ = _paged(vc, ps, 12)
+  append = kv_cache.append if tables is None else (
+      lambda kc, vc, *a: kv_cache.append_paged(kc, vc, tables, *a))
+  take = lambda x, start, n: jnp.stack([jax.lax.dynamic_slice_in_dim(x[b], start[b], n)
+                                        for b in range(B)])
+  lengths = jnp.zeros((B,), jnp.int32)
+  T0 = int(prompt.max())
+  kc, vc, lengths = append(kc, vc, lengths, kf[:, :T0], vf[:, :T0], jnp.asarray(prompt))
+  out = kv_cache.attention(qf[:, :T0], kc, vc, lengths, query_seq_lengths=jnp.asarray(prompt),
+                           block_tables=tables)
+  ref = jflash.attention_numpy(qf, kf, vf, is_causal=True)[0]
+  plain = jflash.attention(qf, kf, vf, is_causal=True, implementation="xla")
+
+  def check(got, b, rows):
+    err, err_plain = max_err(got, ref[b, rows]), max_err(plain[b, rows], ref[b, rows])
+    assert err <= 2 * err_plain + floor(F32, ref[b, rows], S), (b, rows, err, err_plain)
+  for b in range(B):
+    check(out[b, :prompt[b]], b, slice(0, prompt[b]))
+  for _ in range(3):
+    pos = lengths
+    kc, vc, lengths = append(kc, vc, lengths, take(kf, pos, 1), take(vf, pos, 1))
+    out = kv_cache.attention(take(qf, pos, 1), kc, vc, lengths, block_tables=tables)
+    for b in range(B):
+      check(out[b, 0], b, int(pos[b]))
