@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jflash import api
+from jflash import api, kv_cache
+from jflash.kv_cache import KVCache
 
 Array = jax.Array
 
@@ -89,6 +90,10 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
 
   Causal self-attention: pass `is_causal=True` (here or to
   `nnx.MultiHeadAttention.__call__`) rather than `mask=nnx.make_causal_mask(...)`.
+  The causal mask is aligned bottom-right here (`causal_alignment="bottom_right"`
+  unless given: the last query sits at the last key), which is jax.nn's top-left one
+  when T == S and what Flax's `decode=True` needs: there one new query meets the whole
+  cache, whose unwritten tail Flax's own mask hides.
   A dense mask's contents are unknown at trace time, so it cannot be recognised as
   causal: it is read as data ([T, S] per batch/head, the memory Flax already spent),
   and no causal tile skipping happens.
@@ -105,6 +110,7 @@ def make_attention_fn(**attention_options) -> Callable[..., Array]:
   _check_option_names(attention_options)
   api.check_implementation(attention_options.get("implementation"))
   static = dict(attention_options)
+  static.setdefault("causal_alignment", "bottom_right")
   base_causal = bool(static.pop("is_causal", False))
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -333,7 +339,12 @@ class Attention(nnx.Module):
     self.out = nnx.LinearGeneral((num_heads, head_dim), hidden, axis=(-2, -1), **lin)
 
   def __call__(self, x: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None) -> Array:
+               segment_ids: Array | None = None, cache: KVCache | None = None,
+               new_lengths: Array | None = None):
+    """[B, T, hidden] -> [B, T, hidden]; with `cache` (this layer's `KVCache`), the
+    tokens' keys are appended to it first (`new_lengths` [B] of the T per row, default
+    all) and the result is (output, updated cache); `positions` are then the tokens'
+    own (the cache's lengths onwards)."""
     q, k, v = self.query(x), self.key(x), self.value(x)
     if self.use_rope:
       if positions is None and self.context_parallel_axis is not None:
@@ -344,11 +355,27 @@ class Attention(nnx.Module):
         positions = jnp.arange(x.shape[1])
       q = apply_rope(q, positions, self.rope_base)
       k = apply_rope(k, positions, self.rope_base)
+    if cache is not None:
+      return self._attend_cache(q, k, v, cache, new_lengths, segment_ids)
     o = core_attention(q, k, v, implementation=self.implementation,
                        is_causal=self.is_causal, segment_ids=segment_ids,
                        context_parallel_axis=self.context_parallel_axis,
                        **dict(self.options))
     return self.out(o)
+
+  def _attend_cache(self, q, k, v, cache, new_lengths, segment_ids):
+    """Appends k, v to the cache, then attends from q over it (the new queries after
+    the cached keys: `jflash.kv_cache.attention`)."""
+    lacking = [name for name, on in (
+        ("segment_ids", segment_ids is not None),
+        ("context_parallel_axis", self.context_parallel_axis is not None),
+        *((name, True) for name, _ in self.options)) if on]
+    if lacking:
+      raise NotImplementedError(f"attention over a KV cache has no {', '.join(lacking)}")
+    cache = cache.append(k, v, new_lengths)
+    o = kv_cache.attention(q, cache.k, cache.v, cache.lengths, query_seq_lengths=new_lengths,
+                           is_causal=self.is_causal, implementation=self.implementation)
+    return self.out(o), cache
 
 
 class Block(nnx.Module):
@@ -369,15 +396,22 @@ class Block(nnx.Module):
     self.down = nnx.Linear(cfg.mlp_width, cfg.hidden, use_bias=False, dtype=dt,
                            param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, positions=None, segment_ids=None):
-    x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids)
-    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+  def __call__(self, x, positions=None, segment_ids=None, cache=None, new_lengths=None):
+    a = self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids,
+                  cache=cache, new_lengths=new_lengths)
+    if cache is not None:
+      a, cache = a
+    x = x + a
+    x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+    return x if cache is None else (x, cache)
 
 
 class DecoderLM(nnx.Module):
   """Decoder-only language model: token embedding, `num_layers` blocks, tied output.
 
-  `__call__(tokens [B, T] int) -> logits [B, T, vocab]` in float32.
+  `__call__(tokens [B, T] int) -> logits [B, T, vocab]` in float32; with `cache`
+  (`init_cache`), `(logits, cache)` after appending the tokens' keys to it (see
+  `Attention`). `generate` samples with the cache (`jflash.generate`).
   """
 
   def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
@@ -397,22 +431,53 @@ class DecoderLM(nnx.Module):
                             rngs=rngs)
 
   def __call__(self, tokens: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None) -> Array:
+               segment_ids: Array | None = None, cache: KVCache | None = None,
+               new_lengths: Array | None = None):
     cfg = self.cfg
     x = self.embed(tokens)
 
     def run_block(block, h):
       return block(h, positions, segment_ids)
+
+    def run_cached(block, h, c):
+      return block(h, positions, segment_ids, c, new_lengths)
     if cfg.remat:
       # Keep only each block's input; its activations are recomputed in the backward.
-      run_block = nnx.remat(run_block)
-    if cfg.scan_layers:
+      run_block, run_cached = nnx.remat(run_block), nnx.remat(run_cached)
+    if cache is not None:    # one layer's cache per block, stacked on axis 0
+      if cfg.scan_layers:
+        x, cache = nnx.scan(run_cached, in_axes=(0, nnx.Carry, 0),
+                            out_axes=(nnx.Carry, 0))(self.blocks, x, cache)
+      else:
+        layers = []
+        for i, block in enumerate(self.blocks):
+          x, c = run_cached(block, x, jax.tree.map(lambda a, i=i: a[i], cache))
+          layers.append(c)
+        cache = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    elif cfg.scan_layers:
       x = nnx.scan(run_block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
     else:
       for block in self.blocks:
         x = run_block(block, x)
-    x = self.norm(x)
-    return self.embed.attend(x).astype(jnp.float32)
+    logits = self.embed.attend(self.norm(x)).astype(jnp.float32)
+    return logits if cache is None else (logits, cache)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    """An empty KV cache of `max_len` positions per row for every layer."""
+    cfg = self.cfg
+    return KVCache.empty(batch, max_len, cfg.kv_heads, cfg.dim_per_head, jnp.dtype(cfg.dtype),
+                         layers=cfg.num_layers)
+
+  def generate(self, tokens: Array, max_new_tokens: int, *, prompt_lengths: Array | None = None,
+               temperature: float = 0.0, top_k: int | None = None, rng=None) -> Array:
+    """[B, T0] prompts (right-padded, `prompt_lengths` [B], default T0) ->
+    [B, T0 + max_new_tokens]: each row's prompt, its `max_new_tokens` new tokens, then
+    zeros. Greedy at temperature 0, else sampled (top_k largest logits when given; `rng`
+    a PRNG key). One prefill with the flash kernels, then one cached decode step per
+    token, the whole loop one jitted program (`jflash.generate`)."""
+    from jflash import generate
+    return generate.generate(self, tokens, max_new_tokens, prompt_lengths=prompt_lengths,
+                             temperature=temperature, top_k=top_k, rng=rng)
 
 
 def count_params(module: nnx.Module) -> int:
