@@ -79,15 +79,16 @@ def _tile(q, cfg) -> int:
 
 
 # What the kernels take from `Masks`; the rest of its fields raise NotImplementedError.
-SUPPORTED_MASKS = ("is_causal", "window", "soft_cap", "q_lengths", "kv_lengths",
-                   "q_segment_ids", "kv_segment_ids")
+SUPPORTED_MASKS = ("is_causal", "causal_alignment", "window", "soft_cap", "q_lengths",
+                   "kv_lengths", "q_segment_ids", "kv_segment_ids")
 
 
 def supports(q, k, v, cfg, masks: Masks) -> None:
   lacking = [name for name in masks.in_use() if name not in SUPPORTED_MASKS]
   if lacking:
-    raise NotImplementedError(f"the hip kernels have no {', '.join(lacking)} (lengths, "
-                              "window, segment ids and soft cap are supported)")
+    raise NotImplementedError(f"the hip kernels have no {', '.join(lacking)} (causal "
+                              "either aligned, lengths, window, segment ids and soft cap "
+                              "are supported)")
   try:
     hip_ffi.check_inputs(q, k, v, scale=cfg.scale, is_causal=masks.is_causal, tile=0,
                          window=masks.window, soft_cap=masks.soft_cap, dtypes=DTYPES)

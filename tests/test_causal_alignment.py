@@ -2,7 +2,8 @@
 prefill (T = 16, ragged) over a cache of L_b keys per row equal the rows L_b .. of full
 causal attention over the concatenated sequence, forward and gradients, against the
 float64 NumPy truth under the tolerance rule (tests/attention_test_base.py), where the
-plain same-dtype implementation is "xla" over the whole concatenated sequence."""
+plain same-dtype implementation is "xla" over the whole concatenated sequence. The
+"hip" kernels' bottom-right cases run in tests/test_hip_kernel.py (half precision)."""
 from __future__ import annotations
 
 import jax
@@ -125,9 +126,3 @@ def test_mosaic_gpu_refuses_bottom_right():
   with pytest.raises(NotImplementedError, match="causal_alignment"):
     mosaic_impl.check_call(x, x, x, cfg, masks, platform="gpu", capability="9.0")
 
-
-def test_hip_refuses_bottom_right():
-  x = jnp.zeros((1, 2, 1, 64), jnp.float16)
-  with pytest.raises(NotImplementedError, match="causal_alignment"):
-    jflash.attention(x, x, x, is_causal=True, causal_alignment="bottom_right",
-                     implementation="hip")

@@ -121,7 +121,13 @@ def test_second_forward_tile(runner):
                                          [5] * 100], np.int32), 1, 0)),
     dict(is_causal=True, key_value_seq_lengths=np.array([64, 100], np.int32),
          segment_ids=np.array([[0] * 64 + [1] * 36, [3] * 40 + [4] * 60], np.int32)),
-], ids=["lengths", "causal-window", "window", "segments", "causal-lengths-segments"])
+    # A KV cache's new queries after its keys: query i of row b at i + kv_len - q_len.
+    dict(is_causal=True, causal_alignment="bottom_right",
+         query_seq_lengths=np.array([50, 1], np.int32),
+         key_value_seq_lengths=np.array([90, 33], np.int32)),
+    dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(20, 0)),
+], ids=["lengths", "causal-window", "window", "segments", "causal-lengths-segments",
+        "bottom-right-lengths", "bottom-right-window"])
 def test_masks(runner, dtype, kw):
   # Rows past a query length and rows whose window or segment leaves no key are zeros
   # (lse = -inf) with zero gradients, as in the reference.

@@ -5,13 +5,15 @@
 //   q, dout  [B, T, N, H] fp16     out [B, T, N, H] fp16   dq     [B, T, N, H] fp32
 //   k, v     [B, S, K, H] fp16     lse [B, N, T] fp32      dk, dv [B, S, K, H] fp32
 //   query head n reads key/value head n / (N / K) (GQA/MQA).
-//   Visibility of (query i, key j): j < kv_len, and i >= j when causal (top-left aligned
-//   also when T != S), i - left <= j <= i + right with a window, equal segment ids.
+//   Visibility of (query i, key j): j < kv_len, and p >= j when causal, p - left <= j <=
+//   p + right with a window, equal segment ids; p = i + q_offset is the query's position
+//   (q_offset from the ranges: 0 aligns top-left, also when T != S; kv_len - q_len aligns
+//   bottom-right, a KV cache's new queries after its keys).
 //   Rows i >= q_len give zeros and lse = -inf.
 //   Logits: scale * q.k, or with a soft cap c > 0 (Gemma 2) c * tanh(scale * q.k / c).
 //
 // Masks reach the kernels as data: a ranges table [B, n_blocks, 8] int32 per (batch,
-// block) (lo, full_lo, full_hi, hi, q_len, kv_len, 0, 0), built by the caller from the
+// block) (lo, full_lo, full_hi, hi, q_len, kv_len, q_offset, 0), built by the caller from the
 // same skip / full / boundary tile classes as the Pallas kernels. A block visits tiles
 // [lo, hi); tiles in [full_lo, full_hi) are wholly visible and run without a single
 // per-element test, the others test each element. Skipped tiles are never loaded.
@@ -167,7 +169,7 @@ struct MaskParams {
 };
 
 struct Range {
-  int lo, full_lo, full_hi, hi, q_len, kv_len;
+  int lo, full_lo, full_hi, hi, q_len, kv_len, q_offset;
 };
 
 // The table is the caller's input (jflash builds it from the per-tile schedule). Its
@@ -180,7 +182,7 @@ __device__ __forceinline__ Range block_range(const MaskParams& m, int b, int blk
   const int hi = min(max(r[3], lo), n_tiles);
   const int full_lo = min(max(r[1], lo), hi);
   const int full_hi = min(max(r[2], full_lo), hi);
-  return Range{lo, full_lo, full_hi, hi, min(max(r[4], 0), T), min(max(r[5], 0), S)};
+  return Range{lo, full_lo, full_hi, hi, min(max(r[4], 0), T), min(max(r[5], 0), S), r[6]};
 }
 
 // Element rule of a boundary tile, split so that the row-major kernels (forward, dQ)
@@ -191,12 +193,12 @@ struct KeyInterval {
   int lo, hi;
 };
 
-__device__ __forceinline__ KeyInterval key_interval(const MaskParams& m, int row, int kv_len) {
-  int lo = 0, hi = kv_len;
-  if (m.causal) hi = min(hi, row + 1);
+__device__ __forceinline__ KeyInterval key_interval(const MaskParams& m, int pos, int kv_len) {
+  int lo = 0, hi = kv_len;  // `pos`: the query's position, its row plus the range's q_offset
+  if (m.causal) hi = min(hi, pos + 1);
   if (m.win_left >= 0) {
-    lo = max(lo, row - m.win_left);
-    hi = min(hi, row + m.win_right + 1);
+    lo = max(lo, pos - m.win_left);
+    hi = min(hi, pos + m.win_right + 1);
   }
   return KeyInterval{lo, hi};
 }
@@ -208,8 +210,8 @@ __device__ __forceinline__ bool same_segment(const MaskParams& m, int b, int T, 
 }
 
 __device__ __forceinline__ bool visible(const MaskParams& m, int b, int T, int S, int row,
-                                        int col, int kv_len) {
-  const KeyInterval w = key_interval(m, row, kv_len);
+                                        int col, int kv_len, int q_offset) {
+  const KeyInterval w = key_interval(m, row + q_offset, kv_len);
   return col >= w.lo && col < w.hi && same_segment(m, b, T, S, row, col);
 }
 
@@ -391,7 +393,7 @@ struct FwdState {
 // becomes NaN and stays NaN; the row's output and lse are then NaN (see the epilogue).
 template <int D, int TILE, bool MASK>
 __device__ __forceinline__ void key_tile(FwdState<FwdTile<D, TILE>>& st, const FwdParams& p,
-                                         int b, int kv_len, const uint16_t* qs,
+                                         int b, int kv_len, int q_offset, const uint16_t* qs,
                                          uint16_t* kps, const uint16_t* vts, int i0, int j0) {
   using Tl = FwdTile<D, TILE>;
   const int g = threadIdx.x / Tl::TPR, lane = threadIdx.x % Tl::TPR;
@@ -410,7 +412,7 @@ __device__ __forceinline__ void key_tile(FwdState<FwdTile<D, TILE>>& st, const F
   for (int i = 0; i < Tl::RPT; ++i) {
     float mx = -INFINITY;
     const int row = i0 + g + Tl::NG * i;
-    const KeyInterval w = MASK ? key_interval(p.mask, row, kv_len) : KeyInterval{0, 0};
+    const KeyInterval w = MASK ? key_interval(p.mask, row + q_offset, kv_len) : KeyInterval{0, 0};
 #pragma unroll
     for (int j = 0; j < Tl::KC; ++j) {
       float x = s[i][j];
@@ -488,9 +490,9 @@ flash_fwd_kernel(FwdParams p) {
     load_transposed<D, Tl::BK, Tl::NT>(vts, Tl::PS, v, kv_row, j0, p.S);
     __syncthreads();
     if (jt >= rg.full_lo && jt < rg.full_hi)
-      key_tile<D, TILE, false>(st, p, b, rg.kv_len, qs, kps, vts, i0, j0);
+      key_tile<D, TILE, false>(st, p, b, rg.kv_len, rg.q_offset, qs, kps, vts, i0, j0);
     else
-      key_tile<D, TILE, true>(st, p, b, rg.kv_len, qs, kps, vts, i0, j0);
+      key_tile<D, TILE, true>(st, p, b, rg.kv_len, rg.q_offset, qs, kps, vts, i0, j0);
     __syncthreads();  // before the next tile overwrites K/P and V^T
   }
 
@@ -632,7 +634,8 @@ flash_bwd_dq_kernel(BwdParams p) {
 #pragma unroll
     for (int i = 0; i < RP; ++i) {
       const int row = i0 + g + NG * i;
-      const KeyInterval w = masked ? key_interval(p.mask, row, rg.kv_len) : KeyInterval{0, 0};
+      const KeyInterval w =
+          masked ? key_interval(p.mask, row + rg.q_offset, rg.kv_len) : KeyInterval{0, 0};
 #pragma unroll
       for (int j = 0; j < KP; ++j) {
         const int col = j0 + lane + 16 * j;
@@ -724,7 +727,7 @@ flash_bwd_dkdv_kernel(BwdParams p) {
         for (int j = 0; j < QP; ++j) {
           const int c = lane + 16 * j, col = j0 + g + NG * i, row = i0 + c;
           float pr = exp2f(st[i][j] - lse_s[c]);
-          if (masked && !visible(p.mask, b, p.T, p.S, row, col, rg.kv_len)) pr = 0.f;
+          if (masked && !visible(p.mask, b, p.T, p.S, row, col, rg.kv_len, rg.q_offset)) pr = 0.f;
           const int at = (g + NG * i) * Tl::QTS + c;
           pts[at] = jf_f2h(pr);
           dsts[at] = jf_f2h(pr * (dpt[i][j] - delta_s[c]) * slope[i][j]);
@@ -1071,7 +1074,7 @@ static ffi::Error FlashBwdDkdvImpl(gpuStream_t stream, F16 q, F16 k, F16 v, F16 
 
 #define JF_MASK_ATTRS                                                              \
   .Attr<float>("scale")               /* logits scale (f32) */                     \
-      .Attr<bool>("is_causal")        /* query i sees keys j <= i (top-left) */    \
+      .Attr<bool>("is_causal")        /* query i sees keys j <= i + q_offset */    \
       .Attr<int32_t>("window_left")   /* i - left <= j, or -1: no window */        \
       .Attr<int32_t>("window_right")  /* j <= i + right, or -1 */                  \
       .Attr<bool>("has_segments")     /* read q_/kv_segment_ids */                 \
