@@ -30,7 +30,6 @@ Writes <out-dir>/decode_<device>.json.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from pathlib import Path
@@ -44,8 +43,7 @@ from experiments import common
 PEERS = ("jflash", "xla", "cudnn", "jax_pallas_decode")
 # The decode kernel's tiles timed beside its defaults (GPU preset): (block_k, warps,
 # stages, splits as a multiple of the default's).
-DECODE_CANDIDATES = ((64, 4, 3, 1), (64, 4, 4, 1), (128, 4, 3, 1), (128, 8, 2, 1),
-                     (64, 4, 3, 2), (128, 4, 2, 2))
+DECODE_CANDIDATES = ((64, 4, 3, 1), (128, 4, 3, 1), (128, 8, 2, 1), (64, 4, 3, 2))
 # (B, T, S, N, K): the issue's cells, then MHA and one long sequence at 8K and 512K.
 GPU_CELLS = ((8, 1, 32768, 32, 8), (1, 1, 131072, 32, 8), (64, 1, 4096, 32, 8),
              (8, 16, 32768, 32, 8), (8, 1, 32768, 32, 32), (1, 1, 8192, 32, 8),
@@ -63,26 +61,19 @@ PRESETS = {
                  gen_steps=3, gen_model=dict(vocab_size=64, num_layers=1, hidden=32,
                                              num_heads=4, num_kv_heads=2)),
 }
+PRESETS["cpu"] = PRESETS["tiny"]
 REL_TOL = 2e-2   # a sanity gate against "xla": bf16 rounding, not a wrong kernel
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--preset", choices=("auto", *PRESETS), default="auto",
-                 help="auto = gpu on a GPU, else tiny")
-  p.add_argument("--tiny", action="store_true", help="the CPU smoke test (= --preset tiny)")
+  p = common.preset_parser(__doc__, PRESETS, "auto = cpu (the tiny cells) on a CPU, else gpu")
   p.add_argument("--peers", default=",".join(PEERS))
   p.add_argument("--no-candidates", action="store_true",
                  help="time the decode kernel at its default tiles only")
   p.add_argument("--skip-generate", action="store_true")
   p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT)
-  args = p.parse_args(argv)
-  if args.tiny:
-    args.preset = "tiny"
-  if args.preset == "auto":
-    args.preset = "gpu" if jax.default_backend() == "gpu" else "tiny"
-  for name, value in PRESETS[args.preset].items():
-    setattr(args, name, value)
+  p.set_defaults(**{k: None for k in PRESETS["gpu"]})
+  args = common.apply_preset(p.parse_args(argv), PRESETS, "gpu")
   args.peers = tuple(p for p in args.peers.split(",") if p)
   if args.no_candidates:
     args.candidates = ()
