@@ -278,3 +278,29 @@ def test_decode_steps_over_a_cache_equal_full_causal_attention(block_tables):
     out = kv_cache.attention(take(qf, pos, 1), kc, vc, lengths, block_tables=tables)
     for b in range(B):
       check(out[b, 0], b, int(pos[b]))
+
+
+@pytest.mark.parametrize("T, paged", [(1, False), (16, False), (1, True)])
+def test_lowers_through_triton(T, paged):
+  # Interpret mode never runs the Triton lowering; lowering for CUDA does (no GPU needed).
+  B, S, N, K, H = 2, 1024, 32, 8, 128
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  info = jax.ShapeDtypeStruct((B, 8), jnp.int32)
+  if paged:
+    kv = jax.ShapeDtypeStruct((64, 64, K, H), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((B, 16), jnp.int32)
+    f = lambda q, k, v, info, t: dk.decode_forward(q, k, v, info, scale=0.1, is_causal=True,
+                                                   block_tables=t, interpret=False)
+    args = (q, kv, kv, info, tables)
+  else:
+    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    f = lambda q, k, v, info: dk.decode_forward(q, k, v, info, scale=0.1, is_causal=True,
+                                                interpret=False)
+    args = (q, kv, kv, info)
+  try:
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:
+    if "No supported GPU devices found" not in str(e):
+      raise
+    pytest.skip("this JAX lowers Triton kernels only for a present (or abstract) GPU")
+  assert "jflash_decode" in text
