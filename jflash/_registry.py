@@ -10,13 +10,14 @@ def _xla():
 
   def direct(q, k, v, cfg, masks):
     return reference.attention_xla(q, k, v, scale=cfg.scale, masks=masks)
-  return Implementation("xla", direct=direct)
+  return Implementation("xla", direct=direct, broadcast_axes="BNTS")
 
 
 def _xla_chunked():
   from jflash import chunked
   return Implementation("xla_chunked", forward=chunked.forward, backward=chunked.backward,
-                        config_type=config.ChunkedConfig, preferred_on=chunked.PREFERRED_ON)
+                        config_type=config.ChunkedConfig, preferred_on=chunked.PREFERRED_ON,
+                        broadcast_axes="BNTS")
 
 
 def _pallas():

@@ -31,6 +31,7 @@ from jax.interpreters import ad, batching, mlir
 from jflash import platforms, sharding
 from jflash.config import BackendConfig
 from jflash.masks import CAUSAL_ALIGNMENTS, Masks, check_key, seed_from_key
+from jflash.reference import stat_dtype
 
 Array = jax.Array
 
@@ -68,7 +69,9 @@ class Implementation:
   `cfg.backend_config(...)`, or None when it takes no config. `preferred_on` names the
   device kinds (`jflash.platforms.device_kinds`) where `implementation=None` tries it.
   `returns_lse` is False for one whose lse is not returned (or not differentiated):
-  it cannot serve `return_residuals=True`.
+  it cannot serve `return_residuals=True`. `broadcast_axes` names the axes of
+  `[B, N, T, S]` along which it reads a size-one bias or mask as it is; along the
+  others `jflash.attention` broadcasts (copies) it to full size first.
   """
 
   name: str
@@ -79,6 +82,7 @@ class Implementation:
   config_type: type[BackendConfig] | None = None
   preferred_on: tuple[str, ...] = ()
   returns_lse: bool = True
+  broadcast_axes: str = "BN"
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -121,7 +125,8 @@ def _check_inputs(query, key, value):
       raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != 4:
       raise ValueError(
-          f"{name} must have rank 4 [batch, seq, heads, head_dim], got "
+          f"{name} must have rank 4 [batch, seq, heads, head_dim] (jflash.attention also "
+          f"takes all three of rank 3 [seq, heads, head_dim]), got "
           f"{name}.shape={tuple(x.shape)} (rank {x.ndim})")
     if not any(x.dtype == d for d in SUPPORTED_DTYPES):
       raise ValueError(
@@ -141,8 +146,9 @@ def _check_inputs(query, key, value):
     raise ValueError(f"batch mismatch: query has {B}, key/value have {Bk}")
   if Hk != H:
     raise ValueError(f"head_dim mismatch: query has {H}, key/value have {Hk}")
-  for name, n in (("query seq", T), ("key seq", S), ("head_dim", H), ("heads", N),
-                  ("key heads", K), ("batch", B)):
+  # Empty batches and sequences are valid (jflash.attention returns empty arrays, or
+  # zeros for S = 0, as jax.nn does); empty heads or head_dim are not.
+  for name, n in (("head_dim", H), ("heads", N), ("key heads", K)):
     if n < 1:
       raise ValueError(f"{name} length must be >= 1, got {n}")
   if N % K:
@@ -172,25 +178,37 @@ def check_lengths(name: str, x, B: int, n: int) -> Array:
   return jnp.asarray(x, jnp.int32)
 
 
-def _check_dense(name, x, B, N, T, S, kind):
-  if not hasattr(x, "shape") or x.ndim != 4:
-    raise ValueError(f"{name} must be a rank-4 [B|1, N|1, T, S] array, got "
-                     f"{getattr(x, 'shape', type(x))}")
-  b, n, t, s = x.shape
-  if b not in (1, B) or n not in (1, N) or (t, s) != (T, S):
-    raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B|1, N|1, T, S] = "
-                     f"[{B}|1, {N}|1, {T}, {S}]")
+def _check_dense(name, x, B, N, T, S, kind) -> Array:
+  """A bias or mask of any shape that broadcasts to [B, N, T, S] (as in jax.nn), as a
+  rank-4 array [B|1, N|1, T|1, S|1]: size-one axes added in front, nothing copied."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  full = (B, N, T, S)
+  if x.ndim > 4 or any(d not in (1, f) for d, f in zip(x.shape[::-1], full[::-1])):
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must broadcast to [B, N, T, S] = "
+                     f"{list(full)} (each axis 1 or full, at most rank 4)")
   if kind == "mask" and x.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got mask.dtype={x.dtype}")
   if kind == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"bias must be a float array, got bias.dtype={x.dtype}")
+  return jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
 
 
 def _scale(scale, H) -> float:
+  """The logits scale as a Python float: None means 1/sqrt(H); a number or a concrete
+  scalar array (`jnp.float32(0.5)`) is taken by value. It is compiled into the
+  kernels, so a traced scale (an argument of a jitted function) is a ValueError."""
   if scale is None:
     return 1.0 / math.sqrt(H)
+  if isinstance(scale, jax.core.Tracer):
+    raise ValueError(
+        f"scale must be a concrete number (it is compiled into the kernels), got the "
+        f"traced {scale.aval}; pass it as a Python number or a static argument")
+  if hasattr(scale, "dtype") and hasattr(scale, "shape") and scale.shape == () and (
+      jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+    scale = float(np.asarray(scale).astype(np.float64))
   if isinstance(scale, (bool, str)) or not isinstance(scale, (int, float, np.number)):
-    raise ValueError(f"scale must be a Python number or None, got {scale!r}")
+    raise ValueError(f"scale must be a Python number, a scalar array or None, got {scale!r}")
   scale = float(scale)
   if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale=}")
@@ -343,10 +361,9 @@ def prepare(
   cfg = AttentionConfig(scale=_scale(scale, H),
                         backend_configs=_backend_configs(config, implementation))
   if bias is not None:
-    _check_dense("bias", bias, B, N, T, S, "bias")
+    bias = _check_dense("bias", bias, B, N, T, S, "bias")
   if mask is not None:
-    _check_dense("mask", mask, B, N, T, S, "mask")
-    mask = jnp.asarray(mask)
+    mask = _check_dense("mask", mask, B, N, T, S, "mask")
   lengths = {name: check_lengths(name, x, B, n) for name, x, n in (
       ("query_seq_lengths", query_seq_lengths, T),
       ("key_value_seq_lengths", key_value_seq_lengths, S)) if x is not None}
@@ -389,6 +406,18 @@ def zero_padding(query, key, value, masks: Masks):
   if masks.kv_lengths is not None:
     key, value = clear(key, masks.kv_lengths), clear(value, masks.kv_lengths)
   return query, key, value
+
+
+def broadcast_dense(masks: Masks, axes: str, full: tuple[int, int, int, int]) -> Masks:
+  """`masks` with its bias and mask broadcast to full size along the axes of
+  [B, N, T, S] not in `axes` (those an implementation cannot read at size one). A
+  broadcast outside the custom_vjp, so the bias gradient is summed back by autodiff."""
+  def widen(x):
+    if x is None:
+      return None
+    shape = tuple(f if name not in axes else d for name, d, f in zip("BNTS", x.shape, full))
+    return x if shape == x.shape else jnp.broadcast_to(x, shape)
+  return dataclasses.replace(masks, bias=widen(masks.bias), mask=widen(masks.mask))
 
 
 def resolve_implementation(implementation, check: Callable[[Implementation], None],
@@ -515,13 +544,19 @@ def attention(
   heads (N a multiple of K: GQA/MQA when K < N), H head dim.
 
   Args:
-    query: `[B, T, N, H]`.
+    query: `[B, T, N, H]`, or `[T, N, H]` with key and value unbatched too (then the
+      output is `[T, N, H]`, lse `[N, T]`, and lengths and segment ids are given
+      without their batch axis, or with a batch of one). B, T or S may be 0.
     key: `[B, S, K, H]`.
     value: `[B, S, K, H]`.
-    bias: optional `[B|1, N|1, T, S]` float added to the scaled logits (after the
-      soft cap), differentiable.
-    mask: optional `[B|1, N|1, T, S]` bool, True = attend (as Flax and jax.nn pass it).
-    scale: logits scale; None means `1/sqrt(H)`.
+    bias: optional float of any shape that broadcasts to `[B, N, T, S]` (`[T, S]`,
+      `[N, T, S]`, `[B, 1, 1, S]`, ...), added to the scaled logits (after the soft
+      cap), differentiable. "xla" and "xla_chunked" read size-one axes as they are;
+      for the kernels, size-one T and S axes are broadcast (copied) to full size first.
+    mask: optional bool of any shape that broadcasts to `[B, N, T, S]`, True = attend
+      (as Flax and jax.nn pass it); broadcast like the bias.
+    scale: logits scale; None means `1/sqrt(H)`. A number or a concrete scalar array;
+      it is compiled into the kernels, so a traced scale is a ValueError.
     is_causal: query i sees keys j <= i (as `jax.nn.dot_product_attention`; the
       mask is aligned at the top-left also when T != S, unless `causal_alignment`
       says otherwise).
@@ -571,7 +606,39 @@ def attention(
 
   Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) is implemented only by "xla"; the
   others define reverse mode (`jax.grad`) and raise `NotImplementedError`.
+
+  Differences from `jax.nn.dot_product_attention` (docs/jax_nn.md):
+  - a query row that the masks leave without a key returns zeros (jax.nn: the mean
+    of the values), and its lse is -inf, which `jax.debug_infs` reports (query rows
+    past `query_seq_lengths` are such rows);
+  - `return_residuals=True` (jax.nn: `return_residual`) returns lse as `[B, N, T]`
+    float32 (jax.nn: `[B, T, N]` in the input dtype), and it is differentiated (jax.nn
+    stops its gradient);
+  - `scale` must be concrete (jax.nn also takes a traced one);
+  - `implementation=None` picks the device's best (jax.nn: "xla"), and a sequence of
+    names falls back on `NotImplementedError`; "cudnn" is jax.nn's own kernel;
+  - lengths take any integer dtype (jax.nn: int32); more options (segment ids, soft
+    cap, dropout, backend configs).
   """
+  if all(getattr(x, "ndim", None) == 3 for x in (query, key, value)):
+    # Unbatched [T, N, H] (as jax.nn takes it, and what jax.vmap over the batch
+    # passes): one batch of one, with the per-batch options given without their batch
+    # axis ([] lengths, [T] segment ids) or with it ([1], [1, T]).
+    one = lambda x: x if x is None or getattr(x, "ndim", None) != 0 else jnp.reshape(x, (1,))
+    ids = segment_ids
+    if ids is not None:
+      ids = tuple(x[None] if getattr(x, "ndim", None) == 1 else x for x in (
+          ids if isinstance(ids, (tuple, list)) else (ids,)))
+      ids = ids if isinstance(segment_ids, (tuple, list)) else ids[0]
+    result = attention(
+        query[None], key[None], value[None], bias, mask, scale=scale, is_causal=is_causal,
+        causal_alignment=causal_alignment, query_seq_lengths=one(query_seq_lengths),
+        key_value_seq_lengths=one(key_value_seq_lengths),
+        local_window_size=local_window_size, segment_ids=ids,
+        logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, implementation=implementation, config=config,
+        return_residuals=return_residuals)
+    return (result[0][0], result[1][0]) if return_residuals else result[0]
   cfg, masks = prepare(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       causal_alignment=causal_alignment, query_seq_lengths=query_seq_lengths,
@@ -579,11 +646,22 @@ def attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       implementation=implementation, config=config)
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  if B == 0 or T == 0 or S == 0:
+    # Nothing to attend: empty arrays, or for S = 0 rows that see no key (zeros, lse
+    # -inf), as jax.nn returns; no implementation runs. The output does not depend on
+    # the inputs, so their gradients are zeros.
+    out = jnp.zeros(query.shape, query.dtype)
+    lse = jnp.full((B, N, T), -jnp.inf, stat_dtype(query.dtype))
+    return (out, lse) if return_residuals else out
+
   def check(impl):
     if return_residuals and not impl.returns_lse:
       raise NotImplementedError("it returns no differentiable lse (return_residuals=True)")
     impl.supports(query, key, value, cfg, masks)
   impl = resolve_implementation(implementation, check)
+  masks = broadcast_dense(masks, impl.broadcast_axes, (B, N, T, S))
   query, key, value = zero_padding(query, key, value, masks)
   if impl.direct is not None:
     out, lse = impl.direct(query, key, value, cfg, masks)

@@ -182,60 +182,82 @@ def visited_tiles(classes) -> Array:
 
 # -- the same rules on [B, K, G, T, c] logits in plain JAX ("xla" and "xla_chunked") -----
 
+def hidden_logit(dtype):
+  """The finite logit a hidden entry holds in the plain-JAX implementations: far below
+  any real logit, so it never wins a row maximum, and finite, so no inf is ever
+  computed (`jax.debug_infs`). Hidden entries are zeroed by the keep mask, not by
+  exp() of it. As jax.nn, capped at float32's range."""
+  return -0.7 * float(min(jnp.finfo(dtype).max, jnp.finfo(jnp.float32).max))
+
+
+def is_neg_inf(x):
+  """x == -inf, computed without an inf constant (which `jax.debug_infs` reports)."""
+  return ~jnp.isfinite(x) & (x < 0)
+
+
 def _heads(x, K, G):
-  """[B|1, N|1, T, c] -> [B|1, K|1, G|1, T, c] to line up with grouped logits."""
+  """[B|1, N|1, T|1, c] -> [B|1, K|1, G|1, T|1, c] to line up with grouped logits."""
   b, n, t, c = x.shape
   return x.reshape(b, 1, 1, t, c) if n == 1 else x.reshape(b, K, G, t, c)
 
 
+def _columns(x, cols):
+  """The key columns `cols` of a [..., S|1] operand (a size-one axis is read as it is;
+  columns past S, padding, read the last one and are hidden by the caller)."""
+  if x.shape[-1] == 1:
+    return x
+  return jnp.take(x, jnp.clip(cols, 0, x.shape[-1] - 1), axis=-1)
+
+
 def masked_logits(raw, cols, masks: Masks, *, K, G, S):
-  """Scaled logits `raw` [B, K, G, T, c] of key columns `cols` [c] -> (logits with -inf
-  where hidden, tanh of the soft cap or None, dropout multiplier or None).
+  """Scaled logits `raw` [B, K, G, T, c] of key columns `cols` [c] -> (logits with
+  `hidden_logit` where hidden, keep mask (True where visible; broadcasts against the
+  logits), tanh of the soft cap or None, dropout multiplier or None).
 
   Applies soft cap, bias, causal/window/length/segment/dense masks and the dropout keep
   mask exactly as the kernels do. `cols` may run past S (padding): those are hidden.
+  Every operand is laid out at rank 5 (no rank promotion). The bias and mask may have
+  size one along any axis of [B, N, T, S].
   """
   B, _, _, T, c = raw.shape
-  rows = jnp.arange(T)[:, None]
-  colsb = cols[None, :]
-  # Query positions of the causal and window rules: [T, 1], or [B, 1, 1, T, 1] per row.
+  rows = jnp.arange(T).reshape(1, 1, 1, T, 1)
+  colsb = cols.reshape(1, 1, 1, 1, c)
+  per_batch = lambda x: x.reshape(x.shape[0], 1, 1, 1, 1)
+  # Query positions of the causal and window rules: [1, 1, 1, T, 1], or
+  # [B, 1, 1, T, 1] per row.
   offset = offsets_of(masks, T, S)
-  pos = rows + (offset if isinstance(offset, int) else offset[:, None, None, None, None])
+  pos = rows + (offset if isinstance(offset, int) else per_batch(offset))
   t = None
   s = raw
   if masks.soft_cap is not None:
     t = jnp.tanh(raw / masks.soft_cap)
     s = masks.soft_cap * t
-  keep = jnp.broadcast_to((cols < S)[None, :], (T, c))[None, None, None]
+  keep = colsb < S
   if masks.is_causal:
     keep = keep & (pos >= colsb)
   if masks.window is not None:
     left, right = masks.window
     keep = keep & (colsb >= pos - left) & (colsb <= pos + right)
-  safe = jnp.clip(cols, 0, None)
   if masks.bias is not None:
-    bias = jnp.take(masks.bias, jnp.minimum(safe, masks.bias.shape[-1] - 1), axis=-1)
-    s = s + _heads(bias, K, G).astype(s.dtype)
+    s = s + _heads(_columns(masks.bias, cols), K, G).astype(s.dtype)
   if masks.q_lengths is not None:
-    keep = keep & (rows < masks.q_lengths[:, None, None, None, None])
+    keep = keep & (rows < per_batch(masks.q_lengths))
   if masks.kv_lengths is not None:
-    keep = keep & (colsb < masks.kv_lengths[:, None, None, None, None])
+    keep = keep & (colsb < per_batch(masks.kv_lengths))
   if masks.q_segment_ids is not None:
-    kv = jnp.take(masks.kv_segment_ids, jnp.minimum(safe, masks.kv_segment_ids.shape[-1] - 1),
-                  axis=-1)
-    keep = keep & (masks.q_segment_ids[:, None, None, :, None] == kv[:, None, None, None, :])
+    kv = _columns(masks.kv_segment_ids, cols)
+    keep = keep & (masks.q_segment_ids.reshape(B, 1, 1, T, 1) == kv.reshape(B, 1, 1, 1, c))
   if masks.mask is not None:
-    m = jnp.take(masks.mask, jnp.minimum(safe, masks.mask.shape[-1] - 1), axis=-1)
-    keep = keep & _heads(m, K, G)
-  s = jnp.where(keep, s, -jnp.inf)
+    keep = keep & _heads(_columns(masks.mask, cols), K, G)
+  s = jnp.where(keep, s, jnp.asarray(hidden_logit(s.dtype), s.dtype))
   drop = None
   if masks.dropout_rate > 0:
-    b = jnp.arange(B)[:, None, None, None, None]
-    n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :])[None, :, :, None, None]
-    key = dropout_row_key(masks.dropout_seed, b, n, rows[None, None, None], K * G)
-    z = dropout_keep(key, colsb[None, None, None], masks.dropout_rate)
+    b = jnp.arange(B).reshape(B, 1, 1, 1, 1)
+    n = (jnp.arange(K)[:, None] * G + jnp.arange(G)[None, :]).reshape(1, K, G, 1, 1)
+    key = dropout_row_key(masks.dropout_seed, b, n, rows, K * G)
+    z = dropout_keep(key, colsb, masks.dropout_rate)
     drop = z.astype(raw.dtype) / (1 - masks.dropout_rate)
-  return s, t, drop
+  return s, keep, t, drop
 
 
 def kernel_records(masks: Masks, *, B: int, T: int, S: int) -> tuple[MaskOptions, MaskOperands]:

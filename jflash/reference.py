@@ -37,6 +37,13 @@ def error_floor(dtype, ref, length: int) -> float:
   return (2 * eps_out + 4 * eps_acc * math.sqrt(length)) * max(1.0, top)
 
 
+def sum_to_shape(x: np.ndarray, shape) -> np.ndarray:
+  """The gradient of a broadcast: `x` summed over the axes along which an array of
+  `shape` was broadcast to x's shape (leading axes it lacks, and its size-one axes)."""
+  x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+  return x.sum(axis=tuple(i for i, d in enumerate(shape) if d == 1), keepdims=True)
+
+
 def causal_mask(T: int, S: int) -> np.ndarray:
   """[T, S] bool, query i sees keys j <= i (top-left aligned, as jax.nn)."""
   return np.arange(T)[:, None] >= np.arange(S)[None, :]
@@ -51,7 +58,7 @@ def attention_xla(q, k, v, *, scale: float, is_causal: bool = False, masks=None)
   usual "upcast the logits" implementation, and its memory is O(T x S) per head.
   `masks` (a `jflash.masks.Masks`) adds every mask option; without it, `is_causal`.
   """
-  from jflash.masks import Masks, masked_logits
+  from jflash.masks import Masks, is_neg_inf, masked_logits
   if masks is None:
     masks = Masks(is_causal=is_causal)
   B, T, N, H = q.shape
@@ -60,17 +67,17 @@ def attention_xla(q, k, v, *, scale: float, is_causal: bool = False, masks=None)
   acc = stat_dtype(q.dtype)
   qg = q.reshape(B, T, K, G, H)
   raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=acc) * scale
-  s, _, drop = masked_logits(raw, jnp.arange(S), masks, K=K, G=G, S=S)
+  s, keep, _, drop = masked_logits(raw, jnp.arange(S), masks, K=K, G=G, S=S)
   m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(m == -jnp.inf, 0, m)  # fully masked row: exp(-inf - 0) = 0, no NaN
-  p = jnp.exp(s - m)
+  m = jnp.where(is_neg_inf(m), 0, m)  # visible logits of -inf only: no (-inf) - (-inf)
+  p = jnp.where(keep, jnp.exp(s - m), 0)  # hidden entries hold a finite logit: zeroed here
   l = jnp.sum(p, axis=-1, keepdims=True)
   # l = 0 only for a row the masks empty; NaN != 0, so a NaN logit reaches the output.
   has = l != 0
   inv = jnp.where(has, 1 / jnp.where(has, l, 1), 0)
   p = p * inv if drop is None else p * inv * drop
   out = jnp.einsum("bkgts,bskh->btkgh", p.astype(q.dtype), v, preferred_element_type=acc)
-  lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)[..., 0]
+  lse = (jnp.where(has, m, 0) + jnp.log(l))[..., 0]  # log(0) = -inf for an empty row
   return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, N, T)
 
 
@@ -143,8 +150,7 @@ def attention_numpy(q, k, v, *, scale: float | None = None, is_causal: bool = Fa
   dv = dvr.reshape(B, S, K, G, H).sum(3)
   grads = (dq, dk, dv)
   if bias is not None:
-    bshape = np.shape(bias)
-    grads += (ds.sum(axis=tuple(i for i in (0, 1) if bshape[i] == 1), keepdims=True),)
+    grads += (sum_to_shape(ds, np.shape(bias)),)
   if dq_abs_terms:
     abs_terms = np.einsum("bnts,bsnh->btnh", np.abs(dlogits), np.abs(kr), optimize=True)
     grads += (abs_terms * abs(scale),)

@@ -147,7 +147,7 @@ def ranges_from_classes(classes, xp=jnp):
   numpy for static classes (computed once at trace time, nothing for XLA to fold).
   """
   n = classes.shape[-1]
-  idx = xp.arange(n, dtype=xp.int32)
+  idx = xp.arange(n, dtype=xp.int32).reshape((1,) * (classes.ndim - 1) + (n,))  # rank of classes
   visible = classes != SKIP
   full = classes == FULL
   any_visible = visible.any(-1)

@@ -447,7 +447,8 @@ class MaskTestBase:
     kw, msg = {
         "mask_shape": (dict(mask=jnp.ones((B, N, T, S + 1), bool)),
                        f"mask.shape=({B}, {N}, {T}, {S + 1})"),
-        "mask_rank": (dict(mask=jnp.ones((T, S), bool)), f"got ({T}, {S})"),
+        "mask_rank": (dict(mask=jnp.ones((1, B, N, T, S), bool)),
+                      f"mask.shape=(1, {B}, {N}, {T}, {S}) must broadcast"),
         "mask_dtype": (dict(mask=jnp.ones((B, N, T, S), jnp.float32)), "mask.dtype=float32"),
         "bias_shape": (dict(bias=jnp.zeros((3, N, T, S))), f"bias.shape=(3, {N}, {T}, {S})"),
         "bias_heads": (dict(bias=jnp.zeros((1, K, T, S))), f"bias.shape=(1, {K}, {T}, {S})"),

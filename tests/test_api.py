@@ -28,7 +28,7 @@ def qkv(B=1, T=8, S=8, N=2, K=2, H=16, dtype=jnp.float32):
     (lambda q, k, v: (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
      r"query.dtype=int32 is not supported"),
     (lambda q, k, v: (q, k.astype(jnp.bfloat16), v), r"share one dtype.*key.dtype=bfloat16"),
-    (lambda q, k, v: (q, k[:, :0], v[:, :0]), r"key seq length must be >= 1, got 0"),
+    (lambda q, k, v: (q[:, :, :0], k, v), r"heads length must be >= 1, got 0"),
     (lambda q, k, v: (np.zeros((1, 2, 3)), k, v), r"query must have rank 4"),
     (lambda q, k, v: ([1.0], k, v), r"query must be an array, got list"),
 ])
