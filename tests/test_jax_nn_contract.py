@@ -1,6 +1,6 @@
 """jflash.attention beside jax.nn.dot_product_attention over jax.nn's contract, for every
-implementation that runs on a CPU: "xla", "xla_chunked", "pallas" (interpreted),
-"mosaic_gpu" (Mosaic GPU's interpreter, the Hopper check bypassed) and "hip" (its CPU
+implementation that runs on a CPU: "xla", "xla_chunked", "pallas" and
+"pallas_decode" (interpreted), "mosaic_gpu" (Mosaic GPU's interpreter, the Hopper check bypassed) and "hip" (its CPU
 emulation). Unbatched inputs and vmap, bias and mask of any broadcastable shape,
 `jax_numpy_rank_promotion="raise"`, `jax.debug_infs`, empty inputs, a scale given as an
 array, and the errors.
@@ -34,6 +34,7 @@ PROFILES = {
     "xla": (jnp.float32, 16, True),
     "xla_chunked": (jnp.float32, 16, True),
     "pallas": (jnp.float32, 16, True),
+    "pallas_decode": (jnp.float32, 16, False),
     "mosaic_gpu": (jnp.bfloat16, 64, False),
     "hip": (jnp.float16, 64, False),
 }
@@ -175,7 +176,9 @@ def test_what_is_materialised(implementation, materialised):
 def _options(impl):
   """Every option the implementation takes, with no row left without a key."""
   kw = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([7, 12], jnp.int32),
-            local_window_size=(6, 0), query_seq_lengths=jnp.asarray([9, 5], jnp.int32))
+            query_seq_lengths=jnp.asarray([9, 5], jnp.int32))
+  if impl != "pallas_decode":
+    kw["local_window_size"] = (6, 0)
   if impl in DENSE:
     kw["bias"] = jnp.asarray(np.random.default_rng(3).standard_normal((B, 1, 1, S)),
                              jnp.float32)
