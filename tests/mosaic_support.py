@@ -48,17 +48,28 @@ def kernel_modules(text: str) -> list[str]:
   return mosaic_modules(text)
 
 
+# Register reallocation and the waits for matrix products print as NVVM ops up to jax
+# 0.11 ("nvvm.setmaxregister"() {... regCount = 240 ...}, "nvvm.wgmma.wait.group.sync.
+# aligned"() {group = 1 ...}) and as the same PTX inline from jax 0.12 (llvm.inline_asm
+# "setmaxnreg.inc.sync.aligned.u32 240;", "wgmma.wait_group.sync.aligned 1;"); both
+# spellings are read.
+_REGISTERS = re.compile(r"setmaxregister.*regCount = (\d+)"
+                        r"|setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32 (\d+)")
+_SCHEDULE = re.compile(r"(wgmma\.mma_async)"
+                       r"|wgmma\.wait[._]group\.sync\.aligned(?:\"\(\) \{group = | )(\d)"
+                       r"|(ex2\.approx)")
+
+
 def register_counts(module: str) -> list[int]:
   """The register counts a Mosaic GPU module's warpgroups set (setmaxnreg), sorted."""
-  return sorted(int(n) for n in re.findall(r"setmaxregister.*regCount = (\d+)", module))
+  return sorted(int(a or b) for a, b in _REGISTERS.findall(module))
 
 
 def schedule(module: str) -> str:
   """A module's matrix products and waits in program order: "M" per issued product,
   "W0" / "W1" per wait for all / all but one group in flight, "e" per run of
   exponentials (ex2.approx)."""
-  ops = re.findall(r"(wgmma\.mma_async)|wgmma\.wait\.group\.sync\.aligned\"\(\) \{group = (\d)"
-                   r"|(ex2\.approx)", module)
+  ops = _SCHEDULE.findall(module)
   return re.sub("e+", "e", "".join("M" if m else f"W{n}" if n else "e" for m, n, _ in ops))
 
 

@@ -114,7 +114,8 @@ def dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, con
 
   streamed = ("q_smem", "do_smem") + (("lse_smem", "delta_smem") if stats_streamed else ())
   pipe, slots, consume_as = producer_and_consumers(
-      r, ("k_smem", "v_smem"), streamed, consumers=consumers, stages=stages, rows=bk)
+      r, ("k_smem", "v_smem"), streamed, consumers=consumers, stages=stages, rows=bk,
+      generic_reads=interpret or stats_streamed)
   if persistent is None:
     warp_specialised(lax.axis_index("wg"), consumers,
                       lambda: _produce_query_tiles(pipe(srcs), ranges, b, j, own),
@@ -280,7 +281,8 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
   lo, full_lo, full_hi, hi = tile_row(ranges, b, j)
   per_head = hi - lo
   total = own * per_head
-  pipe = Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages)
+  pipe = Pipeline(srcs, [r["q_smem"], r["do_smem"]], r["loaded"], r["consumed"], stages,
+                  generic_reads=interpret)
   p_smem, p_ready, p_free = r["p_smem"], r["p_ready"], r["p_free"]
   dp_smem, dp_ready, dp_free = r["dp_smem"], r["dp_ready"], r["dp_free"]
   fixed = r["fixed_loaded"]

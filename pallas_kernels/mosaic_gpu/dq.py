@@ -59,7 +59,7 @@ def dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, i
 
   pipe, slots, consume_as = producer_and_consumers(
       r, ("q_smem", "do_smem"), ("k_smem", "v_smem"), consumers=consumers, stages=stages,
-      rows=bq)
+      rows=bq, generic_reads=interpret)
 
   def produce(srcs, b, i, count=None):
     """The visited key tiles of query block i, counted from `count` on in a persistent

@@ -184,11 +184,19 @@ class Pipeline:
   complete when the copy engine has written it, its "consumed" barrier when every
   consumer has released it (one arrival each). Each completion is waited on exactly
   once: "loaded" by each consumer, "consumed" by the producer before it refills the
-  slot, or in `drain` for the last tiles."""
+  slot, or in `drain` for the last tiles.
 
-  def __init__(self, srcs, smems, loaded, consumed, stages):
+  The refill is a bulk copy, an async-proxy write, which a barrier orders after the
+  consumers' async-proxy reads (the tensor cores') but not after their generic-proxy
+  reads (loads into registers) without a proxy fence (PTX ISA, memory consistency
+  model, "proxies"). With `generic_reads` (lse and delta loaded from their slots; under
+  the interpreter, whose products are plain loads, always) each consumer fences
+  (fence.proxy.async, `commit_smem`) before it releases a slot."""
+
+  def __init__(self, srcs, smems, loaded, consumed, stages, generic_reads=False):
     self.srcs, self.smems, self.stages = srcs, smems, stages
     self.loaded, self.consumed = loaded, consumed          # loaded: [operand, slot]
+    self.generic_reads = generic_reads
 
   def produce(self, t, *coords):
     plgpu = import_plgpu()
@@ -209,7 +217,10 @@ class Pipeline:
     return tuple(smem.at[slot] for smem in self.smems)
 
   def release(self, t):
-    import_plgpu().barrier_arrive(self.consumed.at[lax.rem(t, self.stages)])
+    plgpu = import_plgpu()
+    if self.generic_reads:
+      plgpu.commit_smem()
+    plgpu.barrier_arrive(self.consumed.at[lax.rem(t, self.stages)])
 
   def drain(self, total):
     def wait(t, _):
@@ -236,17 +247,17 @@ def warp_specialised(wg, consumers, produce, consume):
 
 
 
-def producer_and_consumers(r, fixed, streamed, *, consumers, stages, rows):
+def producer_and_consumers(r, fixed, streamed, *, consumers, stages, rows, generic_reads):
   """The plumbing of a kernel whose producer warpgroup streams `streamed` (the names of
-  two refs, or four with `stats_streamed`) to consumers that each own 64 rows of
-  `fixed` (two more): (pipe(srcs), the
+  two refs, or four with `stats_streamed`; `generic_reads` as `Pipeline`'s) to
+  consumers that each own 64 rows of `fixed` (two more): (pipe(srcs), the
   producer's side of the slots for sources `srcs`; slots, the consumers' side and the
   final drain; consume_as(wg, block, consume, count=None) -> count, which runs
   consume(wg, fixed tiles, their barriers, first row, tiles, count) for consumer wg of
   the program's block, its rows (block * consumers + wg) * rows on)."""
   loaded = r["fixed_loaded"]
   pipe = lambda srcs: Pipeline(srcs, [r[name] for name in streamed], r["loaded"],
-                                r["consumed"], stages)
+                                r["consumed"], stages, generic_reads)
   slots = pipe(None)
 
   def consume_as(wg, block, consume, count=None):
