@@ -376,7 +376,10 @@ def prepare(
       raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng key")
     seed = seed_from_key(dropout_rng)
   window = _window(local_window_size)
-  if not is_causal and window is None:  # no positional rule for the alignment to move
+  # Both alignments are one where nothing moves: no positional rule, or an offset of
+  # S - T = 0 in every row (no lengths). Recorded as top-left, so the implementations
+  # without bottom-right alignment (mosaic_gpu) run such calls.
+  if (not is_causal and window is None) or (T == S and not lengths):
     causal_alignment = "top_left"
   masks = Masks(is_causal=bool(is_causal), window=window, causal_alignment=causal_alignment,
                 soft_cap=_soft_cap(logits_soft_cap), dropout_rate=float(dropout_rate),

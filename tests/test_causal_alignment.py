@@ -114,6 +114,19 @@ def test_top_left_stays_the_default():
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
+def test_alignments_that_coincide_are_recorded_top_left():
+  # T == S without lengths (self-attention in training, as Flax's adapter calls it):
+  # the offset is 0, so every implementation with top-left causal runs it.
+  x = jnp.zeros((1, 4, 1, 8))
+  masks = jflash.prepare(x, x, x, is_causal=True, causal_alignment="bottom_right")[1]
+  assert masks.causal_alignment == "top_left"
+  masks = jflash.prepare(x[:, :1], x, x, is_causal=True, causal_alignment="bottom_right")[1]
+  assert masks.causal_alignment == "bottom_right"
+  masks = jflash.prepare(x, x, x, is_causal=True, causal_alignment="bottom_right",
+                         key_value_seq_lengths=jnp.asarray([3]))[1]
+  assert masks.causal_alignment == "bottom_right"
+
+
 def test_bad_alignment_is_a_value_error():
   x = jnp.zeros((1, 2, 1, 8))
   with pytest.raises(ValueError, match="causal_alignment"):
@@ -122,7 +135,8 @@ def test_bad_alignment_is_a_value_error():
 
 def test_mosaic_gpu_refuses_bottom_right():
   x = jnp.zeros((1, 2, 1, 64), jnp.bfloat16)
-  cfg, masks = jflash.prepare(x, x, x, is_causal=True, causal_alignment="bottom_right")
+  q = x[:, :1]
+  cfg, masks = jflash.prepare(q, x, x, is_causal=True, causal_alignment="bottom_right")
   with pytest.raises(NotImplementedError, match="causal_alignment"):
-    mosaic_impl.check_call(x, x, x, cfg, masks, platform="gpu", capability="9.0")
+    mosaic_impl.check_call(q, x, x, cfg, masks, platform="gpu", capability="9.0")
 
