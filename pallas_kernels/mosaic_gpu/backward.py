@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backward import backward_statistics
-from pallas_kernels.common import round_up
+from pallas_kernels.common import out_type as varying_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
 from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, import_plgpu, map_rows,
                                               pad_axis, smem_layout)
@@ -197,12 +197,12 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
   grid, grid_names = (Sp // bk, K, B), ("kv", "heads", "batch")
-  kv_type = jax.ShapeDtypeStruct((B, S_map, K, H), k.dtype)
+  kv_type = varying_type((B, S_map, K, H), k.dtype, q, k, v, dout)
   if splits > 1:
     # A key tile's programs side by side, each with float32 partial dK and dV of its
     # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis.
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
-    kv_type = jax.ShapeDtypeStruct((B, splits, Sp, K, H), jnp.float32)
+    kv_type = varying_type((B, splits, Sp, K, H), jnp.float32, q, k, v, dout)
   dk, dv = call(functools.partial(dkv_kernel, bq=bq, group_splits=splits,
                                   persistent=persistent_grid(grid),
                                   stats_streamed=config.stats_streamed,
@@ -226,6 +226,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                  p_under_dp=config.dq_p_under_dp,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
-               (("k_smem", "v_smem"), bk), [jax.ShapeDtypeStruct((B, T_map, N, H), q.dtype)],
+               (("k_smem", "v_smem"), bk),
+               [varying_type((B, T_map, N, H), q.dtype, q, k, v, dout)],
                C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]
