@@ -56,11 +56,15 @@ class _Layout:
   dropout: bool
 
 
-def _mask_roles(masks: Masks, N: int, B: int) -> Masks:
+def _dense_roles(shape, full) -> str:
+  """The roles of a [B|1, N|1, T|1, S|1] bias or mask (or its gradient)."""
+  return "".join(r if n == f else "1" for r, n, f in zip("bnts", shape, full))
+
+
+def _mask_roles(masks: Masks, full: tuple[int, int, int, int]) -> Masks:
   """`masks` with each array replaced by its role string (for pytree-order flattening)."""
   def dense(x):
-    return None if x is None else _Roles(("b" if x.shape[0] == B else "1")
-                                         + ("n" if x.shape[1] == N else "1") + "ts")
+    return None if x is None else _Roles(_dense_roles(x.shape, full))
   def given(x, roles):
     return None if x is None else _Roles(roles)
   return dataclasses.replace(
@@ -79,11 +83,11 @@ class _Roles:
 
 def _layout(arrays: tuple, masks: Masks, results: tuple[str, ...]) -> _Layout:
   q, k = arrays[0], arrays[1]
-  B, _, N, _ = q.shape
-  K = k.shape[2]
+  B, T, N, _ = q.shape
+  S, K = k.shape[1], k.shape[2]
   own = tuple(_LSE if x.ndim == 3 else (_KV if i in (1, 2) else _Q)
               for i, x in enumerate(arrays))
-  mask_roles = tuple(r.roles for r in jax.tree.leaves(_mask_roles(masks, N, B)))
+  mask_roles = tuple(r.roles for r in jax.tree.leaves(_mask_roles(masks, (B, N, T, S))))
   return _Layout(own + mask_roles, results, K, N // K, masks.dropout_rate > 0)
 
 
@@ -281,7 +285,6 @@ def backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks: Masks):
       q, k, v, out, lse, dout, dlse, cfg, masks)
   results = (_Q, _KV, _KV)
   if masks.bias is not None:
-    bias = masks.bias
-    results += (("b" if bias.shape[0] == q.shape[0] else "1")
-                + ("n" if bias.shape[1] == q.shape[2] else "1") + "ts",)
+    B, T, N, _ = q.shape
+    results += (_dense_roles(masks.bias.shape, (B, N, T, k.shape[1])),)
   return _run(call, (q, k, v, out, lse, dout, dlse, masks), masks, results)
