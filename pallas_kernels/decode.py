@@ -42,15 +42,16 @@ class DecodeBlocks:
   """Tiles of the decode kernel: `block_k` keys per step, `num_splits` programs per
   (batch row, key head) along the keys (None: `default_splits`)."""
 
-  block_k: int = 128
+  block_k: int = 64
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
 
 
-def default_splits(programs: int, S: int, block_k: int, target_programs: int = 264) -> int:
-  """Splits that bring the grid to about `target_programs` (two per multiprocessor of
-  an H100's 132), while each split keeps at least 4 key tiles (the merge reads the
+def default_splits(programs: int, S: int, block_k: int, target_programs: int = 528) -> int:
+  """Splits that bring the grid to about `target_programs` (four per multiprocessor of
+  an H100's or H200's 132: a decode step is bound by memory, and more loads in flight
+  per multiprocessor hide more of its latency), while each split keeps at least 4 key tiles (the merge reads the
   partials, T x N x H x 4 bytes each, against the K/V bytes of the split)."""
   want = -(-target_programs // programs)
   most = max(1, S // (4 * block_k))
