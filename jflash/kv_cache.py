@@ -83,6 +83,8 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None):
                      f"k_cache.shape={tuple(k_cache.shape)}")
   _check_new(k_new, v_new, B, K, H, "cache")
   T = k_new.shape[1]
+  if T > S:
+    raise ValueError(f"{T} new keys (k_new.shape[1]) cannot fit a cache of S={S} positions")
   lengths = api.check_lengths("lengths", lengths, B, S)
   n = _new_lengths(new_lengths, B, T)
   t = jnp.arange(T)[None, :]
@@ -106,6 +108,9 @@ def append_paged(k_pages, v_pages, block_tables, lengths, k_new, v_new, new_leng
   _check_new(k_new, v_new, B, K, H, "pages")
   T = k_new.shape[1]
   capacity = max_pages * page_size
+  if T > capacity:
+    raise ValueError(f"{T} new keys (k_new.shape[1]) cannot fit a row's "
+                     f"{max_pages} pages x {page_size} = {capacity} positions")
   lengths = api.check_lengths("lengths", lengths, B, capacity)
   n = _new_lengths(new_lengths, B, T)
   pos = lengths[:, None] + jnp.arange(T)[None, :]                     # [B, T]

@@ -272,12 +272,6 @@ def _merge(o1, l1, o2, l2):
   return o1 * to_btn(w1) + o2 * to_btn(w2), lse
 
 
-def _pad_seq(x, before, after, axis):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (before, after)
-  return jnp.pad(x, pad)
-
-
 # A shard's side of a block call, as a dict: the query side {"q", and "seg" / "len"
 # when given} stays home; the key side {"k", "v", "seg" / "len"} travels as one.
 

@@ -225,6 +225,16 @@ def test_append_writes_in_place_and_drops_what_does_not_fit():
   np.testing.assert_array_equal(np.asarray(l2), [5, 8, 1])
 
 
+def test_append_of_more_keys_than_the_cache_holds_raises():
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  with pytest.raises(ValueError, match="5 new keys .* S=4"):
+    kv_cache.append(z(1, 4, 1, 8), z(1, 4, 1, 8), jnp.zeros(1, jnp.int32), z(1, 5, 1, 8),
+                    z(1, 5, 1, 8))
+  with pytest.raises(ValueError, match="5 new keys .* 2 pages x 2 = 4"):
+    kv_cache.append_paged(z(3, 2, 1, 8), z(3, 2, 1, 8), jnp.zeros((1, 2), jnp.int32),
+                          jnp.zeros(1, jnp.int32), z(1, 5, 1, 8), z(1, 5, 1, 8))
+
+
 def test_append_paged_matches_append_on_the_view():
   B, S, K, H, T, ps = 2, 32, 2, 4, 5, 8
   r = np.random.default_rng(9)
