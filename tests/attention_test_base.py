@@ -63,6 +63,31 @@ def random_qkv(shape, dtype, seed=0, scale=1.0):
   return cast(q), cast(k), cast(v), cast(do)
 
 
+def cache_problem(cache, new, *, S, N, K, H, seed):
+  """A cache of `cache[b]` keys per row and `new[b]` new tokens (right-padded to T), in
+  float32: the call's {q, k, v, do, q_len, kv_len} and the concatenated sequence's
+  {q, k, v, do, kv_len} (its rows L .. L + n are the new tokens'). Right padding and
+  stale cache entries past each row's length hold NaN."""
+  B, T = len(cache), max(new)
+  r = np.random.default_rng(seed)
+  full = np.asarray(cache) + np.asarray(new)
+  qf, kf, vf = (r.standard_normal(s) for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H)))
+  dof = np.zeros((B, S, N, H))
+  q = np.full((B, T, N, H), np.nan)
+  do = np.zeros((B, T, N, H))
+  for b, (L, n) in enumerate(zip(cache, new)):
+    q[b, :n] = qf[b, L:L + n]
+    do[b, :n] = r.standard_normal((n, N, H))
+    dof[b, L:L + n] = do[b, :n]
+  k, v = kf.copy(), vf.copy()
+  for b, F in enumerate(full):
+    k[b, F:] = v[b, F:] = np.nan
+  arr = lambda x: jnp.asarray(x, jnp.float32)
+  return (dict(q=arr(q), k=arr(k), v=arr(v), do=arr(do), q_len=jnp.asarray(new, jnp.int32),
+               kv_len=jnp.asarray(full, jnp.int32)),
+          dict(q=arr(qf), k=arr(kf), v=arr(vf), do=arr(dof), kv_len=full))
+
+
 class TransformationTests:
   """jit, vmap, bit-identical repeats and second-order gradients of one implementation,
   at `transform_dtype` and `transform_head_dim` (an implementation that computes only in

@@ -13,35 +13,11 @@ import pytest
 
 import jflash
 from jflash import mosaic_impl
-from tests.attention_test_base import floor, max_err, tile_config
+from tests.attention_test_base import cache_problem, floor, max_err, tile_config
 
 IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas")
 N, K, H = 4, 2, 16
 S = 48          # the cache buffer: keys past a row's length are padding (NaN here)
-
-
-def _problem(cache, new, seed):
-  """(q, k, v, do) of the call under test, lengths, and the full-sequence problem."""
-  B, T = len(cache), max(new)
-  r = np.random.default_rng(seed)
-  full = np.asarray(cache) + np.asarray(new)            # kv_len of each row
-  qf = r.standard_normal((B, S, N, H))                   # the concatenated sequence
-  kf = r.standard_normal((B, S, K, H))
-  vf = r.standard_normal((B, S, K, H))
-  dof = np.zeros((B, S, N, H))
-  q = np.full((B, T, N, H), np.nan)                      # right padding holds anything
-  do = np.zeros((B, T, N, H))
-  for b, (L, n) in enumerate(zip(cache, new)):
-    q[b, :n] = qf[b, L:L + n]
-    do[b, :n] = r.standard_normal((n, N, H))
-    dof[b, L:L + n] = do[b, :n]
-  k, v = kf.copy(), vf.copy()
-  for b, F in enumerate(full):
-    k[b, F:] = v[b, F:] = np.nan
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  lengths = (jnp.asarray(new, jnp.int32), jnp.asarray(full, jnp.int32))
-  return ((f32(q), f32(k), f32(v), f32(do)), lengths,
-          (f32(qf), f32(kf), f32(vf), f32(dof)), full)
 
 
 def _fwd_bwd(fn, q, k, v, do):
@@ -56,7 +32,9 @@ def _fwd_bwd(fn, q, k, v, do):
                                        ((9, 31, 0), (16, 7, 1))],       # chunked prefill
                          ids=["decode", "chunked_prefill"])
 def test_cache_rows_equal_full_causal_attention(implementation, cache, new):
-  (q, k, v, do), (q_len, kv_len), (qf, kf, vf, dof), full = _problem(cache, new, seed=1)
+  call, whole = cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=1)
+  q, k, v, do, q_len, kv_len = (call[x] for x in ("q", "k", "v", "do", "q_len", "kv_len"))
+  qf, kf, vf, dof, full = (whole[x] for x in ("q", "k", "v", "do", "kv_len"))
   cfg = tile_config(implementation, 16, 16)
   got = _fwd_bwd(lambda q, k, v: jflash.attention(
       q, k, v, is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_len,

@@ -14,32 +14,9 @@ import pytest
 import jflash
 from jflash import decode_impl, kv_cache
 from pallas_kernels import decode as dk
-from tests.attention_test_base import floor, max_err
+from tests.attention_test_base import cache_problem, floor, max_err
 
 F32 = jnp.float32
-
-
-def _cache_problem(cache, new, *, S, N, K, H, seed):
-  """A cache of `cache[b]` keys per row and `new[b]` new tokens (right-padded to T):
-  the call's (q, k, v, do), its lengths, and the concatenated sequence's problem."""
-  B, T = len(cache), max(new)
-  r = np.random.default_rng(seed)
-  full = np.asarray(cache) + np.asarray(new)
-  qf, kf, vf = (r.standard_normal(s) for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H)))
-  dof = np.zeros((B, S, N, H))
-  q = np.full((B, T, N, H), np.nan)
-  do = np.zeros((B, T, N, H))
-  for b, (L, n) in enumerate(zip(cache, new)):
-    q[b, :n] = qf[b, L:L + n]
-    do[b, :n] = r.standard_normal((n, N, H))
-    dof[b, L:L + n] = do[b, :n]
-  k, v = kf.copy(), vf.copy()
-  for b, F in enumerate(full):
-    k[b, F:] = v[b, F:] = np.nan          # stale cache entries past each row's length
-  arr = lambda x: jnp.asarray(x, F32)
-  return (dict(q=arr(q), k=arr(k), v=arr(v), do=arr(do), q_len=jnp.asarray(new, jnp.int32),
-               kv_len=jnp.asarray(full, jnp.int32)),
-          dict(q=arr(qf), k=arr(kf), v=arr(vf), do=arr(dof), kv_len=full))
 
 
 def _check_rows(got, plain, ref, cache, new, name, length):
@@ -62,7 +39,7 @@ CASE_IDS = ["decode_gqa", "chunked_prefill", "decode_mha"]
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_kernel_rows_equal_full_causal_attention(cache, new, N, K, H, num_splits):
   S = 64
-  call, full = _cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=1)
+  call, full = cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=1)
   masks = jflash.prepare(call["q"], call["k"], call["v"], is_causal=True,
                          causal_alignment="bottom_right", query_seq_lengths=call["q_len"],
                          key_value_seq_lengths=call["kv_len"])[1]
@@ -89,7 +66,7 @@ def test_gradients_through_the_regular_backward(implementation, cache, new, N, K
   # "pallas" without a PallasConfig runs the decode kernel for T <= 64; both take the
   # gradient from the regular backward kernels.
   S = 64
-  call, full = _cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=2)
+  call, full = cache_problem(cache, new, S=S, N=N, K=K, H=H, seed=2)
 
   def fwd_bwd(fn, q, k, v, do):
     out, vjp = jax.vjp(fn, q, k, v)
