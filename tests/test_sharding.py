@@ -186,8 +186,14 @@ def _shard_map_case(impl):
 
 def _mosaic_shard_map_case():
   """The Mosaic GPU forward kernel (interpreted by Mosaic GPU's own interpreter) inside
-  shard_map with check_vma=True, batch over 2 devices: the unsharded call's values. (The
-  "mosaic_gpu" implementation itself needs a Hopper GPU; this runs its kernel.)"""
+  shard_map with check_vma=True, batch over "x". (The "mosaic_gpu" implementation itself
+  needs a Hopper GPU; this runs its kernel.)
+
+  On 2 devices the call is typed, partitioned and compiled: its outputs keep the batch
+  sharding and the module holds no collective. The values are computed on a 1-device
+  mesh: Mosaic GPU's interpreter checks at each kernel's end that no barrier is left in
+  the memory it shares across all devices, so two devices' kernels interpreted at once
+  can fail each other's check (jax 0.12's interpreter)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -195,19 +201,29 @@ def _mosaic_shard_map_case():
   import tests.conftest  # noqa: F401  (each interpreted program compiled once, see there)
   from pallas_kernels.masking import MaskOptions
   from pallas_kernels.mosaic_gpu import forward as mf
-  mesh = jax.make_mesh((2,), ("x",))
   rng = np.random.default_rng(2)
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
              for s in ((2, 64, 2, 64), (2, 64, 1, 64), (2, 64, 1, 64)))
   fwd = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                                          config=mf.MosaicConfig(64, 64, 2), interpret=True)
   spec = P("x")
-  sm_fwd = jax.shard_map(fwd, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec),
-                         check_vma=True)
-  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
-  got = jax.jit(sm_fwd)(*map(put, (q, k, v)))
+
+  def sharded(devices):
+    mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
+    sm_fwd = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(spec,) * 3,
+                                   out_specs=(spec, spec), check_vma=True))
+    return sm_fwd, [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+
+  sm_fwd, args = sharded(2)
+  compiled = sm_fwd.lower(*args).compile()
+  hlo = compiled.as_text()
+  out_specs = [list(s.spec) for s in compiled.output_shardings]
+  one_fwd, one_args = sharded(1)
+  got = one_fwd(*one_args)
   want = jax.jit(fwd)(q, k, v)
-  return {"max_diff": {n: float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)
+  return {"out_specs": out_specs,
+          "collectives": _collectives(hlo),
+          "max_diff": {n: float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)
                                                 - jnp.asarray(b, jnp.float32))))
                        for n, a, b in zip(("out", "lse"), got, want)}}
 
@@ -358,9 +374,12 @@ def test_shard_map_with_check_vma(results, impl):
 
 
 def test_mosaic_gpu_forward_kernel_in_shard_map_with_check_vma():
-  # Each device runs the same kernel on its batch rows: bit for bit the unsharded values.
+  # Each device runs the same kernel on its batch rows, with no collective; the values are
+  # bit for bit the unsharded call's.
   res = _run_worker(2, "--mosaic-worker")
   assert res["ok"], res.get("traceback")
+  assert res["out_specs"] == [["x", None, None, None], ["x", None, None]], res["out_specs"]
+  assert not any(res["collectives"].values()), res["collectives"]
   assert all(d == 0 for d in res["max_diff"].values()), res["max_diff"]
 
 
