@@ -2,8 +2,10 @@
 
 Grids (experiments/bench/specs.py): "quick" (five FlashAttention-2 cells), "full" (the
 whole FA-2 grid: batch = 16384 / seq, 16 heads x 128 or 32 x 64, seq 1K-16K, causal and
-not), "d256" (4K, 8 heads x 256, batch 4) and "model" (MQA 16/1 16K causal, GQA 32/8 8K
-causal, d 96/80/192 4K, T = S = 3000 beside 3072, d=256), forward and forward +
+not), "hopper" (its 1K, 4K and 16K cells at d = 128 and 4K at d = 64), "d256" (4K, 8
+heads x 256, batch 4), "short" (ViT 197 and 577 beside 576, BERT 512, 1K d = 128 causal)
+and "model" (MQA 16/1 16K causal, GQA 32/8 8K causal, d 96/80/192 4K, T = S = 3000 beside
+3072, d=256), forward and forward +
 backward, bf16 (JAX's Mosaic GPU kernel in fp16). FLOPs: experiments.common.
 
 Peers (experiments/bench/peers.py), each tried on its own and recorded with its error

@@ -261,6 +261,26 @@ def test_ab_kernels_selects_cells_by_name():
     ab_kernels.select_cases("LM", tiny=True)
 
 
+def test_config_candidates_records_each_candidate_beside_the_peers(tmp_path):
+  # Off a GPU every mosaic_gpu row is "unavailable" with the implementation's reason;
+  # the peer is checked and timed.
+  run_script("tools.config_candidates", tmp_path, "--cells", "smoke", "--peers", "xla",
+             "--modes", "fwd", "--candidates", '{"consumers": 3}', '{"persistent": true}',
+             "--name", "cand")
+  rows = load(tmp_path, "cand")["rows"]
+  assert [r["peer"] for r in rows] == [
+      "xla", "jflash:mosaic_gpu", "jflash:mosaic_gpu[consumers=3]",
+      "jflash:mosaic_gpu[persistent=True]"]
+  assert rows[0]["status"] == "ok" and rows[0]["tflops"] > 0
+  assert all(r["status"] == "unavailable" and "Hopper" in r["error"] for r in rows[1:])
+
+
+def test_config_candidates_refuses_a_field_the_config_lacks():
+  from experiments.tools import config_candidates
+  with pytest.raises(TypeError, match="block_m"):
+    config_candidates.candidate_peer({"block_m": 64})
+
+
 def test_profile_step_counts_only_the_innermost_events():
   # A host while loop's event spans its body's op events on the same line.
   from types import SimpleNamespace as E

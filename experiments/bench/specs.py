@@ -79,8 +79,24 @@ MQA = Case(16384, 128, True, 1, 16, 1, name="MQA 16/1 16K causal")
 # Longest compiles last: a run cut by its time limit loses them, not the rest.
 MODEL = (D96, D80, D192, D128_4K, T3000, T3072) + D256 + (GQA, MQA)
 
+# The short regime (T up to about 1K): vision and encoder models' shapes, with the
+# aligned twin of 577 (ViT-L/14 at 336 px: 24 x 24 patches and a class token) that its
+# temporaries compare with, and the FA-2 grid's 1K causal cell.
+VIT_B = Case(197, 64, False, 64, 12, name="ViT-B/16 197")
+VIT_L = Case(577, 64, False, 32, 16, name="ViT-L/14 577")
+VIT_L_ALIGNED = Case(576, 64, False, 32, 16, name="ViT-L/14 576")
+BERT = Case(512, 64, False, 32, 12, name="BERT 512")
+SHORT = (VIT_B, VIT_L, VIT_L_ALIGNED, BERT, fa2_case(1024, 128, True))
+
+# The FA-2 cells of the Hopper targets: 1K, 4K and 16K at d = 128 and 4K at d = 64, causal
+# and not (d = 256 is its own grid).
+FA2_HOPPER = tuple(fa2_case(s, d, c) for s, d in ((1024, 128), (4096, 128), (16384, 128),
+                                                   (4096, 64)) for c in (False, True))
+
 GRIDS = {
     "quick": FA2_QUICK,
+    "hopper": FA2_HOPPER,
+    "short": SHORT,
     "full": FA2_FULL,
     "d256": D256,
     "model": MODEL,
@@ -189,6 +205,14 @@ TARGETS = (
     Target("hopper_bwd", "vs_peer", HOPPER_CELLS + (GQA,), "mosaic_gpu", value=1.0, peer="cudnn"),
     Target("hopper_bwd", "vs_peer", (MQA,), "mosaic_gpu", value=0.9, peer="cudnn"),
     Target("hopper_bwd", "compile_s", HOPPER_CELLS + (GQA, MQA), "mosaic_gpu", value=15.0),
+    # The whole Hopper grid, forward and fwd+bwd, on the H100 and the H200 alike.
+    *(Target("hopper_grid", "vs_peer", FA2_HOPPER + D256, "mosaic_gpu", m, 1.0, "cudnn")
+      for m in MODES),
+    # The short regime: cuDNN where it runs (not at 577), tokamax's Mosaic GPU kernel,
+    # and 577 rows without padded copies.
+    *(Target("short", "vs_peer", SHORT, "mosaic_gpu", m, 1.0, p)
+      for m in MODES for p in ("cudnn", "tokamax_mosaic")),
+    Target("short", "temp_vs", (VIT_L,), "mosaic_gpu", value=1.1, other=VIT_L_ALIGNED),
 )
 # jflash temp bytes of fwd+bwd <= 1.1x JAX Pallas mha's at 32K (the memory table).
 MEMORY_TARGET = (32768, 1.1)
