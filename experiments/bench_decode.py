@@ -22,9 +22,10 @@ Peers, checked against "xla" before they are timed, timed together in rounds
                     where its defaults stand
 
 Generate: decode tokens/s of `jflash.generate.decode_tokens` (one jitted loop of
-`--steps` steps from a cache holding `context` random keys per row), the same model
-(same weights) with attention_implementation None (jflash) and "xla" (plain JAX: the
-scores materialised, as jax.nn computes them).
+`--gen-steps` steps for each batch in `--gen-batches`, from a cache holding each
+length in `--gen-contexts` of random keys per row), the same model (same weights) with
+attention_implementation None (jflash) and "xla" (plain JAX: the scores materialised,
+as jax.nn computes them). `--skip-attention` runs this part alone.
 
 Writes <out-dir>/decode_<device>.json.
 """
@@ -70,14 +71,31 @@ def parse_args(argv=None):
   p.add_argument("--peers", default=",".join(PEERS))
   p.add_argument("--no-candidates", action="store_true",
                  help="time the decode kernel at its default tiles only")
+  p.add_argument("--skip-attention", action="store_true",
+                 help="time the generate loop only (no attention cells)")
   p.add_argument("--skip-generate", action="store_true")
   p.add_argument("--out-dir", type=Path, default=common.DEFAULT_OUT)
+  common.add_preset_options(p, [
+      ("gen_contexts", _positive_ints, "comma-separated cached keys per row for generate"),
+      ("gen_batches", _positive_ints, "comma-separated sequences per generate loop"),
+      ("gen_steps", _positive_int, "decode steps per generate loop")])
   p.set_defaults(**{k: None for k in PRESETS["gpu"]})
   args = common.apply_preset(p.parse_args(argv), PRESETS, "gpu")
   args.peers = tuple(p for p in args.peers.split(",") if p)
   if args.no_candidates:
     args.candidates = ()
   return args
+
+
+def _positive_int(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise ValueError(f"expected an int >= 1, got {text!r}")
+  return n
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+  return tuple(_positive_int(x) for x in text.split(","))
 
 
 # -- attention cells -----------------------------------------------------------------
@@ -282,7 +300,7 @@ def _decode_loop(nn, generate, KVCache, args, impl, context, batch):
 
 def main(argv=None):
   args = parse_args(argv)
-  rows = attention_rows(args)
+  rows = [] if args.skip_attention else attention_rows(args)
   gen = [] if args.skip_generate else generate_rows(args)
   config = {k: v for k, v in vars(args).items() if k != "out_dir"}
   path = common.write_result(f"decode_{common.device_tag()}", config, rows,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,3 +38,26 @@ def test_tiny_cpu_smoke(tmp_path):
   assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in gen.values())
   assert gen["jflash"]["speedup_vs_plain_jax"] > 0
   assert gen["jflash"]["same_tokens_as_plain_jax"]
+
+
+def test_generate_alone_at_the_sizes_given(tmp_path):
+  from experiments import bench_decode
+  argv = ["--tiny", "--skip-attention", "--gen-contexts", "8,12", "--gen-batches", "1",
+          "--gen-steps", "2", "--out-dir", str(tmp_path)]
+  args = bench_decode.parse_args(argv)
+  assert (args.gen_contexts, args.gen_batches, args.gen_steps) == ((8, 12), (1,), 2)
+  assert args.gen_model == bench_decode.PRESETS["tiny"]["gen_model"]  # the rest: the preset's
+  data = json.loads(bench_decode.main(argv).read_text())
+  assert data["rows"] == []
+  assert sorted((r["context"], r["peer"], r["steps"]) for r in data["generate"]) == [
+      (8, "jflash", 2), (8, "plain_jax", 2), (12, "jflash", 2), (12, "plain_jax", 2)]
+  assert all(r["status"] == "ok" for r in data["generate"])
+
+
+@pytest.mark.parametrize("option, value", [("--gen-steps", "0"), ("--gen-contexts", "8,x"),
+                                           ("--gen-batches", "-1")])
+def test_bad_generate_size_is_refused(option, value, capsys):
+  from experiments import bench_decode
+  with pytest.raises(SystemExit):
+    bench_decode.parse_args(["--tiny", option, value])
+  assert value in capsys.readouterr().err
