@@ -365,3 +365,20 @@ def test_build_cache_key_covers_the_compiler_version(monkeypatch):
   before = build.source_hash("emulate")
   monkeypatch.setattr(build, "compiler_version", lambda target: "g++ (other) 99.0")
   assert build.source_hash("emulate") != before
+
+
+def test_emulation_compiles_where_the_compiler_fortifies():
+  # Ubuntu's gcc sets _FORTIFY_SOURCE at -O1 and above, and a fortified _longjmp aborts
+  # the process on the fibers' switch into their stacks: the emulation's source turns
+  # it off (emulate_cpu.cc), and its guard (emulate_cpu.h) makes a fortified build an
+  # error at compile time rather than an abort at run time.
+  import subprocess
+
+  import jax.ffi
+  cc = build.compiler("emulate")
+  if cc is None:
+    pytest.skip("no C++ compiler (g++, c++ or clang++) for the CPU emulation")
+  cmd = [cc, *build.flags("emulate", jax.ffi.include_dir()), "-D_FORTIFY_SOURCE=2",
+         "-fsyntax-only", str(build.CSRC / build.EMULATE_SOURCE)]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,6 +2,13 @@
 // tests call through ctypes: the same launch functions as the FFI handlers, no XLA.
 // Shapes are already checked by the caller (hip_ffi.emulate); B is the product of all
 // leading (batch) dims. Each returns 0, or 1 for a head_dim or tile not compiled.
+//
+// Fibers switch stacks with _longjmp (emulate_cpu.h). With _FORTIFY_SOURCE (on by
+// default in Ubuntu's gcc at -O1 and above) glibc routes it to __longjmp_chk, which
+// aborts the process on a jump to a stack pointer below the current one outside the
+// signal stack ("longjmp causes uninitialized stack frame"): the jump from the caller's
+// stack into a fiber's heap stack can be that. Undefined before the first include.
+#undef _FORTIFY_SOURCE
 #define JF_CPU_EMULATION 1
 #include "flash_attn.hip"
 

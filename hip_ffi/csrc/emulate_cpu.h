@@ -21,6 +21,12 @@
 #include <memory>
 #include <vector>
 
+// A fortified _longjmp (__longjmp_chk) aborts on a switch into a fiber's stack; the
+// translation unit undefines _FORTIFY_SOURCE before its first include (emulate_cpu.cc).
+#if defined(__USE_FORTIFY_LEVEL) && __USE_FORTIFY_LEVEL > 0
+#error "the CPU emulation's fibers need _longjmp without _FORTIFY_SOURCE"
+#endif
+
 #define JF_EMU 1
 #define __global__
 #define __device__
