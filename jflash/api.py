@@ -91,6 +91,16 @@ _REGISTRY: dict[str, Callable[[], Implementation]] = {}
 def register_implementation(name: str, loader: Callable[[], Implementation]):
   """Registers a lazily-built implementation (so `import jflash` loads nothing heavy)."""
   _REGISTRY[name] = loader
+  get_implementation.cache_clear()   # a name registered again is built by its new loader
+
+
+def unregister_implementation(name: str):
+  """Removes a registered implementation; ValueError for a name not registered."""
+  if name not in _REGISTRY:
+    raise ValueError(f"implementation={name!r} is not registered; registered: "
+                     f"{sorted(_REGISTRY)}")
+  del _REGISTRY[name]
+  get_implementation.cache_clear()
 
 
 def available_implementations() -> tuple[str, ...]:

@@ -153,7 +153,6 @@ def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
 
   api.register_implementation("refuser", lambda: api.Implementation(
       "refuser", direct=lambda *a: None, supports=refuse))
-  api.get_implementation.cache_clear()
   try:
     q, k, v = qkv()
     out = jflash.attention(q, k, v, implementation=("refuser", "xla"))
@@ -161,8 +160,7 @@ def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
     with pytest.raises(NotImplementedError, match="refuser: refuses everything"):
       jflash.attention(q, k, v, implementation="refuser")
   finally:
-    api._REGISTRY.pop("refuser")
-    api.get_implementation.cache_clear()
+    api.unregister_implementation("refuser")
 
 
 def test_scale_default_and_explicit():

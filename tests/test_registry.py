@@ -37,15 +37,16 @@ def test_a_registered_implementation_takes_its_place_in_the_order(monkeypatch):
   # earlier-registered "pallas", before what runs anywhere.
   api.register_implementation("extra", lambda: api.Implementation(
       "extra", direct=lambda *a: None, preferred_on=("gpu",)))
-  api.get_implementation.cache_clear()
   try:
     hopper = _device("gpu", "cuda 13.0", "9.0")
     assert api.default_implementation(hopper) == (
         "pallas_decode", "mosaic_gpu", "pallas", "extra", "xla_chunked")
     assert api.default_implementation(_device("cpu")) == ("xla_chunked",)
   finally:
-    api._REGISTRY.pop("extra")
-    api.get_implementation.cache_clear()
+    api.unregister_implementation("extra")
+  assert "extra" not in api.available_implementations()
+  with pytest.raises(ValueError, match="implementation='extra' is not registered"):
+    api.unregister_implementation("extra")
 
 
 def _jflash_imports(path):
