@@ -7,6 +7,7 @@ from jax.test_util import check_grads
 
 import jflash
 from jflash import api
+from jflash.platforms import device_capability
 from tests.attention_test_base import floor, max_err
 
 
@@ -141,10 +142,10 @@ def test_launch_params_precedence():
     launch_params(64, plain, "bwd")
 
 
-def test_default_implementation_on_cpu():
-  assert jax.default_backend() == "cpu"
-  assert jflash.default_implementation() == ("xla_chunked",)
-  assert set(jflash.available_implementations()) >= {"pallas", "xla_chunked", "xla", "hip"}
+def test_every_built_in_implementation_is_available():
+  # What implementation=None tries on this device: tests/test_registry.py.
+  assert set(jflash.available_implementations()) >= {
+      "xla", "xla_chunked", "pallas", "pallas_decode", "mosaic_gpu", "hip", "cudnn"}
 
 
 def test_sequence_falls_back_only_on_not_implemented(monkeypatch):
@@ -255,13 +256,19 @@ def test_row_the_masks_empty_is_zeros_where_jax_nn_gives_the_mean_of_v():
 
 
 def test_cudnn_is_a_registered_implementation_in_the_chain():
-  # jax.nn's cuDNN kernel: refused off a CUDA GPU with the reason, so a chain moves on.
+  # jax.nn's cuDNN kernel: off a CUDA GPU it is refused with the reason, so a chain
+  # moves on; on one, first in a chain, it runs as jax.nn's own cuDNN call.
   q, k, v = qkv(dtype=jnp.bfloat16)
   assert "cudnn" in jflash.available_implementations()
-  with pytest.raises(NotImplementedError, match=r"mosaic_gpu: .*; cudnn: cudnn needs a CUDA GPU"):
-    jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn"))
-  got = jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn", "xla_chunked"))
-  want = jflash.attention(q, k, v, implementation="xla_chunked")
+  if device_capability()[1] is None:
+    with pytest.raises(NotImplementedError,
+                       match=r"mosaic_gpu: .*; cudnn: cudnn needs a CUDA GPU"):
+      jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn"))
+    got = jflash.attention(q, k, v, implementation=("mosaic_gpu", "cudnn", "xla_chunked"))
+    want = jflash.attention(q, k, v, implementation="xla_chunked")
+  else:
+    got = jflash.attention(q, k, v, implementation=("cudnn", "xla_chunked"))
+    want = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 

@@ -17,19 +17,32 @@ def _device(platform, version="", capability=None):
                                client=types.SimpleNamespace(platform_version=version))
 
 
-@pytest.mark.parametrize("device, kinds, order", [
+# (device, its kinds, what implementation=None tries there)
+DEVICES = [
     (_device("gpu", "cuda 13.0", "9.0"), ("hopper", "cuda", "gpu", "any"),
      ("pallas_decode", "mosaic_gpu", "pallas", "xla_chunked")),
     (_device("gpu", "cuda 13.0", "8.0"), ("cuda", "gpu", "any"), ("pallas", "xla_chunked")),
     (_device("gpu", "rocm 7.0"), ("rocm", "gpu", "any"), ("pallas", "xla_chunked")),
     (_device("cpu"), ("cpu", "any"), ("xla_chunked",)),
     (_device("tpu"), ("tpu", "any"), ("xla_chunked",)),
-])
+]
+
+
+@pytest.mark.parametrize("device, kinds, order", DEVICES)
 def test_default_order_is_derived_from_the_declarations(monkeypatch, device, kinds, order):
   monkeypatch.setattr(jax, "devices", lambda *a: [device])
   assert platforms.device_kinds() == kinds
   assert api.default_implementation() == order
   assert api.default_implementation(device) == order
+
+
+def test_default_order_on_this_device():
+  # The device the suite runs on (CI's CPU, a Hopper GPU) is one of the kinds above and
+  # gets that kind's order.
+  orders = {kinds: order for _, kinds, order in DEVICES}
+  kinds = platforms.device_kinds()
+  assert kinds in orders, kinds
+  assert api.default_implementation() == orders[kinds]
 
 
 def test_a_registered_implementation_takes_its_place_in_the_order(monkeypatch):
