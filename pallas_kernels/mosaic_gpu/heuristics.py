@@ -36,13 +36,15 @@ TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
          (256, False): MosaicConfig(64, 64, 2, persistent=True),
          (256, True): MosaicConfig(64, 64, 2)}
 
-# Below this many query rows three consumers give way to two: a program of 3 x 64 rows
-# spreads its fixed costs (Q in, O out, the pipeline's fill) over fewer key tiles.
-THREE_CONSUMERS_MIN_SEQ = 2048
-# ... on these tiles where the tier has its own two-consumer entry: 128 rows per consumer
-# on 64-key tiles at d = 64 causal (twice the rows per barrier round trip, the same
-# 64 x 64 S tile in registers).
-TWO_CONSUMER_ENTRIES = {(64, True): MosaicConfig(128, 64, 2, consumer_ranges=True)}
+# Below this many query rows three consumers give way to two: two 192-row programs
+# would be half padding at 197 rows (ViT-B/16), where two 128-row ones are a quarter.
+# From 512 rows three ran ahead at every tier timed, the programs' extra padded rows
+# included (512 and 576 at d = 64, 1K at d = 64 and 128, causal and not).
+THREE_CONSUMERS_MIN_SEQ = 512
+# Tiers with their own two-consumer entry, used below their own length: at d = 64
+# causal two consumers of 128 rows on 64-key tiles (twice the rows per barrier round
+# trip, the same 64 x 64 S tile in registers), level with or ahead of three at 1K and 4K.
+TWO_CONSUMER_ENTRIES = {(64, True): (MosaicConfig(128, 64, 2, consumer_ranges=True), 2048)}
 # Each P V issued back to back with the next tile's S (`scores_ahead`) where the products
 # dominate a tile (d = 256: the tensor cores otherwise idle through each wait for P V);
 # slower where the softmax is as long as the products (d <= 192).
@@ -57,12 +59,15 @@ LAZY_RESCALE_TABLE_DIMS = (128, 256)
 def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None) -> MosaicConfig:
   """The forward's config for (head_dim, causal): TABLE's entry of its tier
   (`table_head_dim`), with two consumers in place of three below THREE_CONSUMERS_MIN_SEQ
-  query rows (TWO_CONSUMER_ENTRIES' tiles where the tier has one), `scores_ahead` at
-  SCORES_AHEAD_HEAD_DIMS and `lazy_rescale` at LAZY_RESCALE_TABLE_DIMS' tiers."""
+  query rows (TWO_CONSUMER_ENTRIES' tiles, below their own length, where the tier has
+  one), `scores_ahead` at SCORES_AHEAD_HEAD_DIMS and `lazy_rescale` at
+  LAZY_RESCALE_TABLE_DIMS' tiers."""
   key = table_head_dim(head_dim), bool(causal)
   config = TABLE[key]
-  if config.consumers == 3 and seq_q is not None and seq_q < THREE_CONSUMERS_MIN_SEQ:
-    config = TWO_CONSUMER_ENTRIES.get(key) or config.with_consumers(2)
+  if config.consumers == 3 and seq_q is not None:
+    entry, below = TWO_CONSUMER_ENTRIES.get(key, (None, THREE_CONSUMERS_MIN_SEQ))
+    if seq_q < below:
+      config = entry or config.with_consumers(2)
   if head_dim in SCORES_AHEAD_HEAD_DIMS:
     config = dataclasses.replace(config, scores_ahead=True)
   if key[0] in LAZY_RESCALE_TABLE_DIMS:
