@@ -53,6 +53,17 @@ class KVCache:
     """`append` of one layer's new keys and values."""
     return KVCache(*append(self.k, self.v, self.lengths, k_new, v_new, new_lengths))
 
+  def layer(self, i) -> KVCache:
+    """Layer i's cache of a stack (int or traced index)."""
+    return KVCache(self.k[i], self.v[i], self.lengths[i])
+
+  def append_layer(self, i, k_new, v_new, new_lengths=None) -> KVCache:
+    """The stack with layer i's new keys and values appended (`append(..., layer=i)`):
+    one scatter into the stacked arrays, so a stack carried through a decode loop is
+    written in place, where appending to `layer(i)` and stacking the layers again
+    would copy every layer's cache at every step."""
+    return KVCache(*append(self.k, self.v, self.lengths, k_new, v_new, new_lengths, layer=i))
+
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "lengths"], meta_fields=[])
 
@@ -73,11 +84,17 @@ def _check_new(k_new, v_new, B, K, H, where):
                      f"{tuple(v_new.shape)} must be equal")
 
 
-def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None):
+def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=None):
   """Writes row b's first new_lengths[b] (default T) new keys/values at positions
   lengths[b] .. of a contiguous cache; returns (k_cache, v_cache, lengths +
-  new_lengths). Positions at or past S are dropped (the caller sizes the cache)."""
-  B, S, K, H = k_cache.shape
+  new_lengths). Positions at or past S are dropped (the caller sizes the cache).
+  With `layer`, the cache is a stack of layers' caches ([L, B, S, K, H], lengths
+  [L, B]) and only layer `layer`'s is written."""
+  stacked = layer is not None
+  if stacked and (k_cache.ndim != 5 or lengths.ndim != 2):
+    raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
+                     f"lengths [L, B], got {tuple(k_cache.shape)} and {tuple(lengths.shape)}")
+  B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
                      f"k_cache.shape={tuple(k_cache.shape)}")
@@ -85,15 +102,17 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None):
   T = k_new.shape[1]
   if T > S:
     raise ValueError(f"{T} new keys (k_new.shape[1]) cannot fit a cache of S={S} positions")
-  lengths = api.check_lengths("lengths", lengths, B, S)
+  held = api.check_lengths("lengths", lengths[layer] if stacked else lengths, B, S)
   n = _new_lengths(new_lengths, B, T)
   t = jnp.arange(T)[None, :]
   # Padding of a ragged chunk goes out of bounds and is dropped by the scatter.
-  pos = jnp.where(t < n[:, None], lengths[:, None] + t, S)           # [B, T]
+  pos = jnp.where(t < n[:, None], held[:, None] + t, S)              # [B, T]
   rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-  k_cache = k_cache.at[rows, pos].set(k_new.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, pos].set(v_new.astype(v_cache.dtype), mode="drop")
-  return k_cache, v_cache, jnp.minimum(lengths + n, S)
+  at = (layer, rows, pos) if stacked else (rows, pos)
+  k_cache = k_cache.at[at].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[at].set(v_new.astype(v_cache.dtype), mode="drop")
+  held = jnp.minimum(held + n, S)
+  return k_cache, v_cache, lengths.at[layer].set(held) if stacked else held
 
 
 def append_paged(k_pages, v_pages, block_tables, lengths, k_new, v_new, new_lengths=None):

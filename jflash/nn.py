@@ -340,11 +340,14 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Array, *, positions: Array | None = None,
                segment_ids: Array | None = None, cache: KVCache | None = None,
-               new_lengths: Array | None = None):
+               new_lengths: Array | None = None, layer=None):
     """[B, T, hidden] -> [B, T, hidden]; with `cache` (this layer's `KVCache`), the
     tokens' keys are appended to it first (`new_lengths` [B] of the T per row, default
     all) and the result is (output, updated cache); `positions` are then the tokens'
-    own (the cache's lengths onwards)."""
+    own (the cache's lengths onwards). With `layer` (an int or traced index), `cache` is
+    the stack of every layer's caches (`DecoderLM.init_cache`), whose entry `layer` is
+    this layer's, and the stack comes back with that entry written in place
+    (`KVCache.append_layer`)."""
     q, k, v = self.query(x), self.key(x), self.value(x)
     if self.use_rope:
       if positions is None and self.context_parallel_axis is not None:
@@ -356,14 +359,14 @@ class Attention(nnx.Module):
       q = apply_rope(q, positions, self.rope_base)
       k = apply_rope(k, positions, self.rope_base)
     if cache is not None:
-      return self._attend_cache(q, k, v, cache, new_lengths, segment_ids)
+      return self._attend_cache(q, k, v, cache, new_lengths, segment_ids, layer)
     o = core_attention(q, k, v, implementation=self.implementation,
                        is_causal=self.is_causal, segment_ids=segment_ids,
                        context_parallel_axis=self.context_parallel_axis,
                        **dict(self.options))
     return self.out(o)
 
-  def _attend_cache(self, q, k, v, cache, new_lengths, segment_ids):
+  def _attend_cache(self, q, k, v, cache, new_lengths, segment_ids, layer):
     """Appends k, v to the cache, then attends from q over it (the new queries after
     the cached keys: `jflash.kv_cache.attention`)."""
     lacking = [name for name, on in (
@@ -372,8 +375,12 @@ class Attention(nnx.Module):
         *((name, True) for name, _ in self.options)) if on]
     if lacking:
       raise NotImplementedError(f"attention over a KV cache has no {', '.join(lacking)}")
-    cache = cache.append(k, v, new_lengths)
-    o = kv_cache.attention(q, cache.k, cache.v, cache.lengths, query_seq_lengths=new_lengths,
+    if layer is None:
+      cache = mine = cache.append(k, v, new_lengths)
+    else:
+      cache = cache.append_layer(layer, k, v, new_lengths)
+      mine = cache.layer(layer)
+    o = kv_cache.attention(q, mine.k, mine.v, mine.lengths, query_seq_lengths=new_lengths,
                            is_causal=self.is_causal, implementation=self.implementation)
     return self.out(o), cache
 
@@ -396,9 +403,10 @@ class Block(nnx.Module):
     self.down = nnx.Linear(cfg.mlp_width, cfg.hidden, use_bias=False, dtype=dt,
                            param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, positions=None, segment_ids=None, cache=None, new_lengths=None):
+  def __call__(self, x, positions=None, segment_ids=None, cache=None, new_lengths=None,
+               layer=None):
     a = self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids,
-                  cache=cache, new_lengths=new_lengths)
+                  cache=cache, new_lengths=new_lengths, layer=layer)
     if cache is not None:
       a, cache = a
     x = x + a
@@ -439,21 +447,20 @@ class DecoderLM(nnx.Module):
     def run_block(block, h):
       return block(h, positions, segment_ids)
 
-    def run_cached(block, h, c):
-      return block(h, positions, segment_ids, c, new_lengths)
+    def run_cached(block, carry, i):
+      return block(*carry[:1], positions, segment_ids, carry[1], new_lengths, i)
     if cfg.remat:
       # Keep only each block's input; its activations are recomputed in the backward.
       run_block, run_cached = nnx.remat(run_block), nnx.remat(run_cached)
-    if cache is not None:    # one layer's cache per block, stacked on axis 0
+    if cache is not None:
+      # One layer's cache per block, stacked on axis 0; the stack rides along and each
+      # block writes its own entry in place (`KVCache.append_layer`).
       if cfg.scan_layers:
-        x, cache = nnx.scan(run_cached, in_axes=(0, nnx.Carry, 0),
-                            out_axes=(nnx.Carry, 0))(self.blocks, x, cache)
+        x, cache = nnx.scan(run_cached, in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)(
+            self.blocks, (x, cache), jnp.arange(cfg.num_layers))
       else:
-        layers = []
         for i, block in enumerate(self.blocks):
-          x, c = run_cached(block, x, jax.tree.map(lambda a, i=i: a[i], cache))
-          layers.append(c)
-        cache = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+          x, cache = run_cached(block, (x, cache), i)
     elif cfg.scan_layers:
       x = nnx.scan(run_block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
     else:

@@ -202,6 +202,24 @@ def test_append_writes_in_place_and_drops_what_does_not_fit():
   np.testing.assert_array_equal(np.asarray(l2), [5, 8, 1])
 
 
+def test_append_to_one_layer_of_a_stack_leaves_the_others():
+  L, B, S, K, H, T = 3, 2, 8, 1, 4, 2
+  r = np.random.default_rng(9)
+  k = jnp.asarray(r.standard_normal((L, B, S, K, H)), jnp.float32)
+  new = jnp.asarray(r.standard_normal((B, T, K, H)), jnp.float32)
+  lengths = jnp.asarray([[1, 2], [3, 6], [0, 5]])
+  n = jnp.asarray([2, 1])
+  got = kv_cache.KVCache(k, k + 1, lengths).append_layer(1, new, new + 1, n)
+  want = kv_cache.KVCache(k[1], k[1] + 1, lengths[1]).append(new, new + 1, n)
+  for i in range(L):
+    mine = got.layer(i)
+    expect = want if i == 1 else kv_cache.KVCache(k[i], k[i] + 1, lengths[i])
+    for a, b in zip((mine.k, mine.v, mine.lengths), (expect.k, expect.v, expect.lengths)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="stack"):
+    kv_cache.append(k[0], k[0], lengths[0], new, new, layer=0)
+
+
 def test_append_of_more_keys_than_the_cache_holds_raises():
   z = lambda *s: jnp.zeros(s, jnp.float32)
   with pytest.raises(ValueError, match="5 new keys .* S=4"):

@@ -40,6 +40,31 @@ def test_greedy_generate_equals_recomputation_with_ragged_prompts(scan_layers):
     assert np.all(out[b, n + steps:] == 0)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_decode_loop_writes_the_cache_stack_in_place(scan_layers):
+  # Each block appends to its own entry of the [L, ...] stack the loop carries (one
+  # scatter, `KVCache.append_layer`): the compiled loop's temporaries stay below half
+  # the stack, where taking each layer's cache out and stacking them again copies the
+  # whole stack every step (temporaries of a stack or more).
+  from jflash import generate
+  from jflash.kv_cache import KVCache
+  L, B, S = 4, 2, 512
+  cfg = jflash.nn.LMConfig(vocab_size=64, num_layers=L, hidden=64, num_heads=4,
+                           num_kv_heads=2, scan_layers=scan_layers, seq_len=S,
+                           attention_implementation="xla")
+  graphdef, state = nnx.split(jflash.nn.DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  shape = (L, B, S, cfg.kv_heads, cfg.dim_per_head)
+  cache = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.full((L, B), 100, jnp.int32))
+  pick = lambda logits, key: generate.sample(logits, key, temperature=0.0, top_k=None)
+  loop = jax.jit(lambda state, cache, token, positions: generate.decode_tokens(
+      nnx.merge(graphdef, state), cache, token, positions, 3, pick=pick,
+      rng=jax.random.key(0)), donate_argnums=(1,))
+  compiled = loop.lower(state, cache, jnp.zeros((B,), jnp.int32),
+                        jnp.full((B,), 100, jnp.int32)).compile()
+  stack = cache.k.nbytes + cache.v.nbytes
+  assert compiled.memory_analysis().temp_size_in_bytes < stack / 2
+
+
 def test_top_1_sampling_is_greedy_and_sampling_follows_the_key():
   model = _model(True)
   tokens = jnp.asarray([[3, 9, 27, 17]], jnp.int32)
