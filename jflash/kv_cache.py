@@ -178,60 +178,6 @@ def attention(q, k_cache, v_cache, lengths, *, query_seq_lengths=None, block_tab
                           logits_soft_cap=logits_soft_cap)
 
 
-def stack_attention(q, cache: KVCache, layer, *, query_seq_lengths=None, scale=None,
-                    is_causal=True, logits_soft_cap=None, implementation=None):
-  """`attention` over layer `layer` (an int or traced index) of a stacked cache
-  (`DecoderLM.init_cache`: k, v [L, B, S, K, H], lengths [L, B]).
-
-  Where the call runs the split-KV decode kernel ("pallas_decode", named or the one
-  `implementation=None` resolves to) and S is a whole number of its key tiles
-  (`pallas_kernels.decode.page_tile`), the kernel reads the layer's keys in the stack
-  itself: the stack seen as pages of one row each ([L * B, S, K, H], a reshape), row b
-  of layer l at page l * B + b. Otherwise the layer's cache is taken out of the stack
-  (a copy) for `attention`. Gradients are the contiguous call's either way."""
-  from pallas_kernels import decode as _decode
-  L, B, S, K, H = cache.k.shape
-  options = dict(query_seq_lengths=query_seq_lengths, scale=scale, is_causal=is_causal,
-                 logits_soft_cap=logits_soft_cap)
-  contiguous = lambda q, k, v, lengths: attention(
-      q, k, v, lengths, implementation=implementation, **options)
-  view = jax.ShapeDtypeStruct((B, S, K, H), cache.k.dtype)
-  if (_decode.page_tile(S) is None
-      or _resolve(q, view, cache.lengths[layer], implementation, options) != "pallas_decode"):
-    mine = cache.layer(layer)
-    return contiguous(q, mine.k, mine.v, mine.lengths)
-  tables = (layer * B + jnp.arange(B, dtype=jnp.int32))[:, None]
-
-  @jax.custom_vjp
-  def run(q, k, v, layer, lengths):
-    pages = lambda x: x.reshape(L * B, S, K, H)
-    return _paged_attention(q, pages(k), pages(v), tables, lengths, **options)
-
-  def fwd(q, k, v, layer, lengths):
-    return run(q, k, v, layer, lengths), (q, k, v, layer, lengths)
-
-  def bwd(res, g):
-    q, k, v, layer, lengths = res
-    _, pullback = jax.vjp(lambda q, kl, vl: contiguous(q, kl, vl, lengths), q, k[layer],
-                          v[layer])
-    dq, dk, dv = pullback(g)
-    into = lambda stack, d: jnp.zeros_like(stack).at[layer].set(d)
-    return dq, into(k, dk), into(v, dv), None, None
-
-  run.defvjp(fwd, bwd)
-  return run(q, cache.k, cache.v, layer, cache.lengths[layer])
-
-
-def _resolve(q, view, lengths, implementation, options) -> str:
-  """The name of the implementation `attention` runs for q over a contiguous cache of
-  `view`'s shape (nothing is compiled or run: the checks read shapes)."""
-  cfg, masks = api.prepare(q, view, view, causal_alignment="bottom_right",
-                           key_value_seq_lengths=lengths, implementation=implementation,
-                           **options)
-  return api.resolve_implementation(
-      implementation, lambda impl: impl.supports(q, view, view, cfg, masks)).name
-
-
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_lengths, scale,
                      is_causal, logits_soft_cap):
   from jflash import decode_impl

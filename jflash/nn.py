@@ -375,14 +375,13 @@ class Attention(nnx.Module):
         *((name, True) for name, _ in self.options)) if on]
     if lacking:
       raise NotImplementedError(f"attention over a KV cache has no {', '.join(lacking)}")
-    options = dict(query_seq_lengths=new_lengths, is_causal=self.is_causal,
-                   implementation=self.implementation)
     if layer is None:
-      cache = cache.append(k, v, new_lengths)
-      o = kv_cache.attention(q, cache.k, cache.v, cache.lengths, **options)
+      cache = mine = cache.append(k, v, new_lengths)
     else:
       cache = cache.append_layer(layer, k, v, new_lengths)
-      o = kv_cache.stack_attention(q, cache, layer, **options)
+      mine = cache.layer(layer)
+    o = kv_cache.attention(q, mine.k, mine.v, mine.lengths, query_seq_lengths=new_lengths,
+                           is_causal=self.is_causal, implementation=self.implementation)
     return self.out(o), cache
 
 

@@ -144,14 +144,6 @@ def merge_splits(out, lse):
   return o, lse_all
 
 
-def page_tile(page_size: int, block_k: int = DecodeBlocks.block_k) -> int | None:
-  """The key tile of a paged read: block_k, or the page where it is smaller; a tile
-  lies inside one page, so it must be a power of two >= 16 dividing the page (else
-  None)."""
-  bk = min(block_k, page_size)
-  return bk if page_size % bk == 0 and bk & (bk - 1) == 0 and bk >= 16 else None
-
-
 def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
                    soft_cap: float | None = None, block_tables=None,
                    blocks: DecodeBlocks | None = None, interpret: bool | None = None):
@@ -168,8 +160,8 @@ def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
   if paged:
     page_size = k.shape[1]
     S = block_tables.shape[1] * page_size
-    bk = page_tile(page_size, blocks.block_k)
-    if bk is None:
+    bk = min(blocks.block_k, page_size)
+    if page_size % bk or bk & (bk - 1) or bk < 16:
       raise ValueError(f"page_size={page_size} must be a multiple of a power-of-two "
                        f"key tile >= 16 (block_k={blocks.block_k})")
   else:

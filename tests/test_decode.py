@@ -7,7 +7,6 @@ through the same kernel; appending writes in place."""
 from __future__ import annotations
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,46 +218,6 @@ def test_append_to_one_layer_of_a_stack_leaves_the_others():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="stack"):
     kv_cache.append(k[0], k[0], lengths[0], new, new, layer=0)
-
-
-def _kernel_operand_shapes(fn, *args):
-  """Shapes of the operands of every pallas_call in fn's jaxpr (nested ones too)."""
-  shapes = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        shapes.append([tuple(v.aval.shape) for v in eqn.invars])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return shapes
-
-
-@pytest.mark.parametrize("S, in_place", [(64, True), (40, False)])
-def test_stack_attention_reads_the_stack_where_the_decode_kernel_runs(S, in_place):
-  # With "pallas_decode" and S a whole number of key tiles, the kernel takes the stack
-  # itself as pages of one row ([L * B, S, K, H], a reshape: no copy of the layer);
-  # otherwise the layer is taken out. Values and gradients are the contiguous call's on
-  # the same kernel, bit for bit.
-  L, B, K, H, N = 3, 2, 2, 16, 4
-  r = np.random.default_rng(10)
-  k, v = (jnp.asarray(r.standard_normal((L, B, S, K, H)), jnp.float32) for _ in range(2))
-  lengths = jnp.asarray([[10, S], [33, 1], [5, 40]], jnp.int32)
-  q = jnp.asarray(r.standard_normal((B, 1, N, H)), jnp.float32)
-  stack = lambda q, k, v, layer: kv_cache.stack_attention(
-      q, kv_cache.KVCache(k, v, lengths), layer, implementation="pallas_decode")
-  shapes = _kernel_operand_shapes(lambda q, k, v: stack(q, k, v, 1), q, k, v)
-  assert shapes and all(((L * B, S, K, H) in ops) == in_place for ops in shapes), shapes
-  for layer in (0, 2, jnp.int32(1)):
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
-    mine = lambda q, k, v: stack(q, k, v, layer)
-    plain = lambda q, k, v: kv_cache.attention(q, k[layer], v[layer], lengths[layer],
-                                               implementation="pallas_decode")
-    np.testing.assert_array_equal(jax.jit(mine)(q, k, v), jax.jit(plain)(q, k, v))
-    for a, b in zip(jax.jit(jax.grad(loss(mine), (0, 1, 2)))(q, k, v),
-                    jax.jit(jax.grad(loss(plain), (0, 1, 2)))(q, k, v)):
-      np.testing.assert_array_equal(a, b)
 
 
 def test_append_of_more_keys_than_the_cache_holds_raises():
