@@ -26,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflash import api
 from jflash.masks import Masks
@@ -88,12 +89,15 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=N
   """Writes row b's first new_lengths[b] (default T) new keys/values at positions
   lengths[b] .. of a contiguous cache; returns (k_cache, v_cache, lengths +
   new_lengths). Positions at or past S are dropped (the caller sizes the cache).
-  With `layer`, the cache is a stack of layers' caches ([L, B, S, K, H], lengths
-  [L, B]) and only layer `layer`'s is written."""
+  With `layer` (an int in [0, L), or a traced index the caller keeps there), the cache
+  is a stack of layers' caches ([L, B, S, K, H], lengths [L, B]) and only layer
+  `layer`'s is written."""
   stacked = layer is not None
-  if stacked and (k_cache.ndim != 5 or lengths.ndim != 2):
+  if stacked and (k_cache.ndim != 5 or tuple(lengths.shape) != k_cache.shape[:2]):
     raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
                      f"lengths [L, B], got {tuple(k_cache.shape)} and {tuple(lengths.shape)}")
+  if stacked and isinstance(layer, (int, np.integer)) and not 0 <= layer < k_cache.shape[0]:
+    raise ValueError(f"layer={layer} must be in [0, {k_cache.shape[0]}) (the stack's layers)")
   B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "

@@ -448,7 +448,7 @@ class DecoderLM(nnx.Module):
       return block(h, positions, segment_ids)
 
     def run_cached(block, carry, i):
-      return block(*carry[:1], positions, segment_ids, carry[1], new_lengths, i)
+      return block(carry[0], positions, segment_ids, carry[1], new_lengths, i)
     if cfg.remat:
       # Keep only each block's input; its activations are recomputed in the backward.
       run_block, run_cached = nnx.remat(run_block), nnx.remat(run_cached)

@@ -218,6 +218,10 @@ def test_append_to_one_layer_of_a_stack_leaves_the_others():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="stack"):
     kv_cache.append(k[0], k[0], lengths[0], new, new, layer=0)
+  with pytest.raises(ValueError, match="stack"):
+    kv_cache.append(k, k, lengths[:2], new, new, layer=0)
+  with pytest.raises(ValueError, match="layer=3"):
+    kv_cache.append(k, k, lengths, new, new, layer=3)
 
 
 def test_append_of_more_keys_than_the_cache_holds_raises():

@@ -38,8 +38,9 @@ TABLE = {(64, False): MosaicConfig(64, 128, 2, persistent=True, consumers=3),
 
 # Below this many query rows three consumers give way to two: two 192-row programs
 # would be half padding at 197 rows (ViT-B/16), where two 128-row ones are a quarter.
-# From 512 rows three ran ahead at every tier timed, the programs' extra padded rows
-# included (512 and 576 at d = 64, 1K at d = 64 and 128, causal and not).
+# From 512 rows three ran ahead on an H100 in every cell timed on the table's tiles,
+# their programs' extra padded rows included (512 and 576 at d = 64, 1K at d = 64, 1K
+# at d = 128 causal and not); d = 64 causal, where they did not, keeps its entry below.
 THREE_CONSUMERS_MIN_SEQ = 512
 # Tiers with their own two-consumer entry, used below their own length: at d = 64
 # causal two consumers of 128 rows on 64-key tiles (twice the rows per barrier round
