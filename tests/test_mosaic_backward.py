@@ -54,6 +54,14 @@ def test_record_validation(fields, bad):
     configs.BackwardConfig(**fields)
 
 
+def test_d64_tiles_stream_lse_and_delta_only_where_the_stages_barriers_fit():
+  # Four "loaded" barriers per slot with lse and delta streamed: 9 of the caller's
+  # stages would take 36 of the group's 32, so they keep the dQ kernel's tiles alone.
+  default, over = _call_config(64), _call_config(64, stages=9)
+  assert (default.stats_streamed, default.block_n) == (True, 128)
+  assert not over.stats_streamed and over.dq_block_n == 128 and over.stages == 9
+
+
 def test_what_the_kernels_cannot_run_is_refused():
   """A group split must divide the call's group; above head_dim 128 (split by role) no
   group split, persistent grid or the tile loop's options of d <= 128; three dQ

@@ -231,12 +231,18 @@ class BackwardConfig:
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of a producer and consumers: "
                        "dq_consumers=1 needs persistent=False")
-    per_slot, why = (4, "four per slot with stats_streamed") if self.stats_streamed else (
-        2, "two per slot")
-    if per_slot * self.stages > MAX_BARRIERS:
-      raise ValueError(f"stages={self.stages} needs {per_slot * self.stages} \"loaded\" "
+    if loaded_barriers(self.stages, self.stats_streamed) > MAX_BARRIERS:
+      why = "four per slot with stats_streamed" if self.stats_streamed else "two per slot"
+      raise ValueError(f"stages={self.stages} needs "
+                       f"{loaded_barriers(self.stages, self.stats_streamed)} \"loaded\" "
                        f"barriers ({why}); Mosaic GPU allocates at most {MAX_BARRIERS} "
                        f"in a group")
+
+
+def loaded_barriers(stages: int, stats_streamed: bool) -> int:
+  """The "loaded" barriers of a backward kernel's slots: two per slot (the tile and its
+  partner), four with stats_streamed (lse and delta beside them)."""
+  return (4 if stats_streamed else 2) * stages
 
 
 def by_role(head_dim: int) -> bool:

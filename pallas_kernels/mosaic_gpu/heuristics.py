@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.mosaic_gpu.common import ROWS, SMEM_BYTES, table_head_dim
+from pallas_kernels.mosaic_gpu.common import MAX_BARRIERS, ROWS, SMEM_BYTES, table_head_dim
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, MosaicConfig,
                                                backward_smem_bytes, by_role,
-                                               dkv_programs, dq_consumers_of)
+                                               dkv_programs, dq_consumers_of,
+                                               loaded_barriers)
 
 # -- the forward ----------------------------------------------------------------------------
 
@@ -125,14 +126,11 @@ def tiles_at_64(config: BackwardConfig, itemsize: int) -> BackwardConfig:
   """`config` with d = 64's default tiles (BLOCK_N_AT_64): both kernels' with lse and
   delta streamed where that form runs (the caller's stages within its "loaded"
   barriers and shared memory), else the dQ kernel's alone."""
-  try:
+  if loaded_barriers(config.stages, stats_streamed=True) <= MAX_BARRIERS:
     streamed = dataclasses.replace(config, block_n=BLOCK_N_AT_64, stats_streamed=True)
-  except ValueError:   # four "loaded" barriers per slot: the stages exceed MAX_BARRIERS
-    streamed = None
-  if streamed is not None and backward_smem_bytes(64, itemsize, streamed) <= SMEM_BYTES:
-    return streamed
+    if backward_smem_bytes(64, itemsize, streamed) <= SMEM_BYTES:
+      return streamed
   return dataclasses.replace(config, dq_block_n=BLOCK_N_AT_64)
-
 
 
 def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> BackwardConfig:
