@@ -271,7 +271,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         zero_scores = lambda: cast(jnp.zeros((bq, bk), jnp.float32), wgmma_layout)
 
         def issue_scores(s_ref, j):
-          plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot_of(j)], (1, 0)))
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot_of(j)].transpose((1, 0)))
 
         def scores(j):
           """S of tile j (its K slot awaited), after the turn that hands the tensor

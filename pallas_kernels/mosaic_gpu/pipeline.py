@@ -33,7 +33,7 @@ class Products:
 
   @staticmethod
   def _t(ref, transposed):
-    return import_plgpu().transpose_ref(ref, (1, 0)) if transposed else ref
+    return ref.transpose((1, 0)) if transposed else ref
 
   def fresh(self, a, b, shape, *, b_t=False):
     """a @ b(^T) into a new float32 accumulator, waited for."""
