@@ -51,8 +51,9 @@ class DecodeBlocks:
 def default_splits(programs: int, S: int, block_k: int, target_programs: int = 528) -> int:
   """Splits that bring the grid to about `target_programs` (four per multiprocessor of
   an H100's or H200's 132: a decode step is bound by memory, and more loads in flight
-  per multiprocessor hide more of its latency), while each split keeps at least 4 key tiles (the merge reads the
-  partials, T x N x H x 4 bytes each, against the K/V bytes of the split)."""
+  per multiprocessor hide more of its latency), while each split keeps at least 4 key
+  tiles (the merge reads the partials, T x N x H x 4 bytes each, against the K/V bytes
+  of the split)."""
   want = -(-target_programs // programs)
   most = max(1, S // (4 * block_k))
   return max(1, min(want, most))

@@ -374,8 +374,8 @@ def test_shard_map_with_check_vma(results, impl):
 
 
 def test_mosaic_gpu_forward_kernel_in_shard_map_with_check_vma():
-  # Each device runs the same kernel on its batch rows, with no collective; the values are
-  # bit for bit the unsharded call's.
+  # On 2 devices: batch-sharded outputs and no collective; on a 1-device mesh (see the
+  # case's docstring) the values are bit for bit the unsharded call's.
   res = _run_worker(2, "--mosaic-worker")
   assert res["ok"], res.get("traceback")
   assert res["out_specs"] == [["x", None, None, None], ["x", None, None]], res["out_specs"]

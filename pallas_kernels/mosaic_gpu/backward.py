@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backward import backward_statistics
-from pallas_kernels.common import out_type as varying_type, round_up
+from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
 from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, import_plgpu, map_rows,
                                               pad_axis, smem_layout)
@@ -118,7 +118,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
 
   stages, roles = config.stages, by_role(H)
 
-  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_type,
+  def call(kernel, grid, grid_names, x, ranges, fixed, streamed, out_types,
            partials=False, C=2, shared_fixed=False, stats=False):
     """fixed / streamed: the names of the two operands each consumer keeps / the two
     that stream through the slots, with their rows. partials: the outputs are float32 partial sums (`group_splits`), stored
@@ -152,19 +152,19 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       scratch["dp_ready"] = plgpu.Barrier(num_barriers=1)
       scratch["dp_free"] = plgpu.Barrier(num_barriers=1)
     if interpret:  # the float32 accumulators (dK and dV, or dQ) of each consumer
-      scratch["acc"] = plgpu.SMEM((len(out_type), C, ROWS, H), jnp.float32)
+      scratch["acc"] = plgpu.SMEM((len(out_types), C, ROWS, H), jnp.float32)
     if partials:
       scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **f32_layout(H))
     in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
                 *(n for n in ("q_seg", "kv_seg") if n in x)]
-    out_names = ["dq"] if len(out_type) == 1 else ["dk", "dv"]
+    out_names = ["dq"] if len(out_types) == 1 else ["dk", "dv"]
     args = [x[n] for n in in_names if n != "ranges"]
     args.insert(in_names.index("ranges"), ranges)
     body = functools.partial(kernel, opts=opts, scale=scale, group=group,
                              interpret=interpret, consumers=C, stages=slots)
     return plgpu.kernel(
         functools.partial(body, names=[*in_names, *out_names, *scratch]),
-        out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
+        out_type=out_types, scratch_types=list(scratch.values()), grid=grid,
         grid_names=grid_names, compiler_params=compiler_params(), **threads, **extra)(*args)
 
   # With `persistent`, each kernel's grid is one program per multiprocessor (axis "sm"),
@@ -197,12 +197,12 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
   grid, grid_names = (Sp // bk, K, B), ("kv", "heads", "batch")
-  kv_type = varying_type((B, S_map, K, H), k.dtype, q, k, v, dout)
+  kv_type = out_type((B, S_map, K, H), k.dtype, q, k, v, dout)
   if splits > 1:
     # A key tile's programs side by side, each with float32 partial dK and dV of its
     # own: [B, splits, Sp, K, H]. The batch stays the grid's last axis.
     grid, grid_names = (Sp // bk, K, splits, B), ("kv", "heads", "split", "batch")
-    kv_type = varying_type((B, splits, Sp, K, H), jnp.float32, q, k, v, dout)
+    kv_type = out_type((B, splits, Sp, K, H), jnp.float32, q, k, v, dout)
   dk, dv = call(functools.partial(dkv_kernel, bq=bq, group_splits=splits,
                                   persistent=persistent_grid(grid),
                                   stats_streamed=config.stats_streamed,
@@ -227,6 +227,6 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
                                  persistent=persistent_grid(grid)),
                *grid_of(grid, ("q", "heads", "batch")), x, ranges, (("q_smem", "do_smem"), ROWS),
                (("k_smem", "v_smem"), bk),
-               [varying_type((B, T_map, N, H), q.dtype, q, k, v, dout)],
+               [out_type((B, T_map, N, H), q.dtype, q, k, v, dout)],
                C=dq_consumers)
   return dq[:, :T], dk[:, :S], dv[:, :S]

@@ -231,12 +231,11 @@ class BackwardConfig:
     if self.persistent and self.dq_consumers == 1:
       raise ValueError("persistent=True runs programs of a producer and consumers: "
                        "dq_consumers=1 needs persistent=False")
-    if loaded_barriers(self.stages, self.stats_streamed) > MAX_BARRIERS:
+    barriers = loaded_barriers(self.stages, self.stats_streamed)
+    if barriers > MAX_BARRIERS:
       why = "four per slot with stats_streamed" if self.stats_streamed else "two per slot"
-      raise ValueError(f"stages={self.stages} needs "
-                       f"{loaded_barriers(self.stages, self.stats_streamed)} \"loaded\" "
-                       f"barriers ({why}); Mosaic GPU allocates at most {MAX_BARRIERS} "
-                       f"in a group")
+      raise ValueError(f"stages={self.stages} needs {barriers} \"loaded\" barriers ({why}); "
+                       f"Mosaic GPU allocates at most {MAX_BARRIERS} in a group")
 
 
 def loaded_barriers(stages: int, stats_streamed: bool) -> int:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import out_type as varying_type, round_up
+from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep)
 from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params, import_plgpu,
@@ -533,8 +533,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
     extra["interpret"] = InterpretGPUParams()
   out, lse = plgpu.kernel(
       kernel,
-      out_type=[varying_type((B, T_map, N, H), q.dtype, q, k, v),
-                varying_type((B, N, Tp), jnp.float32, q, k, v)],
+      out_type=[out_type((B, T_map, N, H), q.dtype, q, k, v),
+                out_type((B, N, Tp), jnp.float32, q, k, v)],
       scratch_types=list(scratch.values()),
       grid=grid,
       grid_names=grid_names,
