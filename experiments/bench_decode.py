@@ -44,7 +44,8 @@ from experiments import common
 PEERS = ("jflash", "xla", "cudnn", "jax_pallas_decode")
 # The decode kernel's tiles timed beside its defaults (GPU preset): (block_k, warps,
 # stages, splits as a multiple of the default's).
-DECODE_CANDIDATES = ((64, 4, 3, 1), (128, 4, 3, 1), (128, 8, 2, 1), (64, 4, 3, 2))
+DECODE_CANDIDATES = ((128, 4, 3, 1), (64, 4, 3, 2), (64, 4, 3, 4), (128, 4, 3, 2),
+                     (64, 4, 4, 2))
 # (B, T, S, N, K): the cells, then MHA and one long sequence at 8K and 512K.
 GPU_CELLS = ((8, 1, 32768, 32, 8), (1, 1, 131072, 32, 8), (64, 1, 4096, 32, 8),
              (8, 16, 32768, 32, 8), (8, 1, 32768, 32, 32), (1, 1, 8192, 32, 8),
@@ -248,6 +249,10 @@ def generate_rows(args) -> list[dict]:
           t = time.perf_counter()
           built[label] = (row, np.asarray(jax.block_until_ready(loop(*inputs))))
           row["first_call_s"] = round(time.perf_counter() - t, 3)
+          # The compiled loop's scratch beside the cache it carries (a copy of a
+          # layer's cache per step would show here).
+          row["temp_bytes"] = loop.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
+          row["cache_bytes"] = inputs[1].k.nbytes + inputs[1].v.nbytes
           programs[label] = (loop, [inputs], jax.block_until_ready)
         except Exception as e:
           row.update(status="error", error=common_err(e))

@@ -33,7 +33,8 @@ def _pallas_decode():
   from jflash import decode_impl, pallas_impl
   return Implementation("pallas_decode", forward=decode_impl.forward,
                         backward=pallas_impl.backward, supports=decode_impl.supports,
-                        preferred_on=decode_impl.PREFERRED_ON)
+                        preferred_on=decode_impl.PREFERRED_ON, masks_padding=True,
+                        forward_stacked=decode_impl.forward_stacked)
 
 
 def _mosaic_gpu():

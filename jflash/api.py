@@ -72,6 +72,14 @@ class Implementation:
   it cannot serve `return_residuals=True`. `broadcast_axes` names the axes of
   `[B, N, T, S]` along which it reads a size-one bias or mask as it is; along the
   others `jflash.attention` broadcasts (copies) it to full size first.
+  `masks_padding` is True for one whose forward keeps every entry past the sequence
+  lengths out of its results (NaN included), so `jflash.attention` passes it the
+  inputs as they are instead of zeroing the padding first (a pass over K and V, a
+  KV cache's size at every decode step); its backward gets them zeroed.
+  `forward_stacked(q, k_stack, v_stack, layer, cfg, masks)`, where given, is `forward`
+  over layer `layer` (int32 scalar) of a stack of KV caches [L, B, S, K, H], read in
+  place (`jflash.kv_cache.attention(layer=...)`); only with `masks_padding`, since
+  nothing zeroes the stack's padding first.
   """
 
   name: str
@@ -83,6 +91,8 @@ class Implementation:
   preferred_on: tuple[str, ...] = ()
   returns_lse: bool = True
   broadcast_axes: str = "BN"
+  masks_padding: bool = False
+  forward_stacked: Callable[..., tuple[Array, Array]] | None = None
 
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
@@ -464,9 +474,15 @@ def _flash_fwd(q, k, v, masks, impl, cfg):
 def _flash_bwd(impl, cfg, res, cotangents):
   q, k, v, masks, out, lse = res
   dout, dlse = cotangents
+  if impl.masks_padding:
+    # Its forward read the padding as it was; the backward kernels need it zeroed.
+    q, k, v = zero_padding(q, k, v, masks)
   # d lse_i / d s_ij = P_ij, so a cotangent on lse folds into delta:
   # dS = P * (dP - (rowsum(dO * O) - dlse)). Without return_residuals dlse is zero.
   grads = sharding.backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks)
+  if impl.masks_padding:
+    # Padded rows and keys have no gradient (as through zero_padding's select).
+    grads = (*zero_padding(*grads[:3], masks), *grads[3:])
   # Only the bias has a gradient; masks, lengths, ids and the seed are not
   # differentiable (None stands for their zero cotangent).
   dmasks = dataclasses.replace(jax.tree_util.tree_map(lambda _: None, masks),
@@ -517,17 +533,21 @@ def _reverse_mode_only_jvp(primals, tangents):
 _JAX_FORWARD_MODE_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp"
 
 
-def _flash_call(q, k, v, masks, impl, cfg):
-  """`_flash` with forward-mode autodiff turned into jflash's NotImplementedError."""
-  guard = _reverse_mode_only
-  if masks.bias is not None:
-    masks = dataclasses.replace(masks, bias=guard(masks.bias))
+def reverse_mode_only(call: Callable, arrays: tuple, *rest):
+  """`call(*arrays, *rest)`, a custom_vjp of differentiable `arrays`, with forward-mode
+  autodiff turned into jflash's NotImplementedError."""
   try:
-    return _flash(guard(q), guard(k), guard(v), masks, impl, cfg)
+    return call(*(_reverse_mode_only(x) for x in arrays), *rest)
   except TypeError as e:
     if _JAX_FORWARD_MODE_ERROR not in str(e):
       raise
     _forward_mode_error()
+
+
+def _flash_call(q, k, v, masks, impl, cfg):
+  if masks.bias is not None:
+    masks = dataclasses.replace(masks, bias=_reverse_mode_only(masks.bias))
+  return reverse_mode_only(_flash, (q, k, v), masks, impl, cfg)
 
 
 def attention(
@@ -675,7 +695,8 @@ def attention(
     impl.supports(query, key, value, cfg, masks)
   impl = resolve_implementation(implementation, check)
   masks = broadcast_dense(masks, impl.broadcast_axes, (B, N, T, S))
-  query, key, value = zero_padding(query, key, value, masks)
+  if not impl.masks_padding:
+    query, key, value = zero_padding(query, key, value, masks)
   if impl.direct is not None:
     out, lse = impl.direct(query, key, value, cfg, masks)
   else:

@@ -58,14 +58,18 @@ def applies(q, k, v, cfg, masks: Masks) -> bool:
   return True
 
 
-def row_info(masks: Masks, B: int, T: int, S: int) -> jax.Array:
+def row_info(masks: Masks, B: int, T: int, S: int, layer=None) -> jax.Array:
   """[B, 8] int32 per batch row: q_len, kv_len (clamped to [0, T], [0, S]), the query
-  offset of the causal rule (`jflash.masks.offsets_of`), then zeros."""
+  offset of the causal rule (`jflash.masks.offsets_of`), the cache row it reads (b, or
+  layer * B + b in a stack of layers' caches seen as [L * B, S, K, H]), then zeros."""
   clamp = lambda x, n: (jnp.full((B,), n, jnp.int32) if x is None
                         else jnp.clip(x.astype(jnp.int32), 0, n))
   offset = jnp.broadcast_to(jnp.asarray(offsets_of(masks, T, S), jnp.int32), (B,))
-  cols = [clamp(masks.q_lengths, T), clamp(masks.kv_lengths, S), offset]
-  return jnp.stack(cols + [jnp.zeros((B,), jnp.int32)] * 5, axis=1)
+  row = jnp.arange(B, dtype=jnp.int32)
+  if layer is not None:
+    row = row + jnp.asarray(layer, jnp.int32) * B
+  cols = [clamp(masks.q_lengths, T), clamp(masks.kv_lengths, S), offset, row]
+  return jnp.stack(cols + [jnp.zeros((B,), jnp.int32)] * 4, axis=1)
 
 
 def forward(q, k, v, cfg, masks: Masks):
@@ -74,3 +78,16 @@ def forward(q, k, v, cfg, masks: Masks):
     return _decode.decode_forward(q, k, v, info, scale=cfg.scale, is_causal=masks.is_causal,
                                   soft_cap=masks.soft_cap)
   return first_order_only(fwd, "the split-KV decode kernel")(q, k, v, masks)
+
+
+def forward_stacked(q, k_stack, v_stack, layer, cfg, masks: Masks):
+  """`forward` over layer `layer` (a traced int32 scalar) of a stack of layers' caches
+  k_stack, v_stack [L, B, S, K, H], read in place: the kernel indexes the stack's rows
+  (`row_info`), so no copy of the layer is made."""
+  def fwd(q, k_stack, v_stack, layer, masks):
+    L, B, S, K, H = k_stack.shape
+    info = row_info(masks, B, q.shape[1], S, layer=layer)
+    rows = lambda x: x.reshape(L * B, S, K, H)       # a view: leading axes merged
+    return _decode.decode_forward(q, rows(k_stack), rows(v_stack), info, scale=cfg.scale,
+                                  is_causal=masks.is_causal, soft_cap=masks.soft_cap)
+  return first_order_only(fwd, "the split-KV decode kernel")(q, k_stack, v_stack, layer, masks)

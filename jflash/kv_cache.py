@@ -23,12 +23,13 @@ implementation, differentiable); the paged one through the split-KV decode kerne
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash import api
+from jflash import api, sharding
 from jflash.masks import Masks
 
 Array = jax.Array
@@ -96,8 +97,8 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=N
   if stacked and (k_cache.ndim != 5 or tuple(lengths.shape) != k_cache.shape[:2]):
     raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
                      f"lengths [L, B], got {tuple(k_cache.shape)} and {tuple(lengths.shape)}")
-  if stacked and isinstance(layer, (int, np.integer)) and not 0 <= layer < k_cache.shape[0]:
-    raise ValueError(f"layer={layer} must be in [0, {k_cache.shape[0]}) (the stack's layers)")
+  if stacked:
+    layer = _check_layer(layer, k_cache.shape[0])
   B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
@@ -156,18 +157,31 @@ def _check_table(block_tables):
   return block_tables.shape
 
 
-def attention(q, k_cache, v_cache, lengths, *, query_seq_lengths=None, block_tables=None,
-              scale=None, is_causal=True, logits_soft_cap=None, implementation=None):
+def attention(q, k_cache, v_cache, lengths, *, layer=None, query_seq_lengths=None,
+              block_tables=None, scale=None, is_causal=True, logits_soft_cap=None,
+              implementation=None):
   """Attention of new queries q [B, T, N, H] over a cache holding lengths[b] keys per
   row, the queries' own keys included (append them first): query t of row b sits at
   position lengths[b] - q_len[b] + t (bottom-right alignment; q_len = query_seq_lengths,
   default T).
 
-  Contiguous (`block_tables` None): `jflash.attention` with `implementation`. Paged:
-  k_cache, v_cache are [pages, page_size, K, H] pages read through `block_tables`
-  [B, max_pages] by the split-KV decode kernel (T <= 64; no gradient: its backward
-  raises NotImplementedError).
+  Contiguous (`block_tables` None): `jflash.attention` with `implementation`. With
+  `layer` (an int, or a traced int scalar), k_cache, v_cache and lengths are a stack of
+  layers' caches ([L, B, S, K, H], [L, B]: `KVCache.empty(layers=L)`) and the call
+  attends over layer `layer`'s: the split-KV decode kernel reads it inside the stack,
+  without copying it out; an implementation that cannot (the flash kernels of a
+  prefill) gets the layer as its own array. Paged: k_cache, v_cache are [pages,
+  page_size, K, H] pages read through `block_tables` [B, max_pages] by the split-KV
+  decode kernel (T <= 64; no gradient: its backward raises NotImplementedError).
   """
+  if layer is not None:
+    if block_tables is not None:
+      raise NotImplementedError("a paged cache is one layer's: layer= reads a stack of "
+                                "contiguous caches")
+    return _layer_attention(q, k_cache, v_cache, lengths, layer,
+                            query_seq_lengths=query_seq_lengths, scale=scale,
+                            is_causal=is_causal, logits_soft_cap=logits_soft_cap,
+                            implementation=implementation)
   if block_tables is None:
     return api.attention(q, k_cache, v_cache, scale=scale, is_causal=is_causal,
                          causal_alignment="bottom_right", query_seq_lengths=query_seq_lengths,
@@ -180,6 +194,69 @@ def attention(q, k_cache, v_cache, lengths, *, query_seq_lengths=None, block_tab
   return _paged_attention(q, k_cache, v_cache, block_tables, lengths,
                           query_seq_lengths=query_seq_lengths, scale=scale, is_causal=is_causal,
                           logits_soft_cap=logits_soft_cap)
+
+
+def _layer_attention(q, k_stack, v_stack, lengths, layer, *, query_seq_lengths, scale,
+                     is_causal, logits_soft_cap, implementation):
+  """`attention` over layer `layer` of a stack of caches (see `attention`)."""
+  if k_stack.ndim != 5 or tuple(lengths.shape) != k_stack.shape[:2]:
+    raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
+                     f"lengths [L, B], got {tuple(k_stack.shape)} and {tuple(lengths.shape)}")
+  if v_stack.shape != k_stack.shape:
+    raise ValueError(f"v_cache.shape={tuple(v_stack.shape)} must equal "
+                     f"k_cache.shape={tuple(k_stack.shape)}")
+  layer = _check_layer(layer, k_stack.shape[0])
+  options = dict(scale=scale, is_causal=is_causal, causal_alignment="bottom_right",
+                 query_seq_lengths=query_seq_lengths, key_value_seq_lengths=lengths[layer],
+                 logits_soft_cap=logits_soft_cap)
+  view = jax.ShapeDtypeStruct(k_stack.shape[1:], k_stack.dtype)     # the layer's shape
+  cfg, masks = api.prepare(q, view, view, implementation=implementation, **options)
+  impl = api.resolve_implementation(
+      implementation, lambda impl: impl.supports(q, view, view, cfg, masks))
+  if impl.forward_stacked is None or 0 in (*q.shape[:2], view.shape[1]):
+    return api.attention(q, k_stack[layer], v_stack[layer], implementation=impl.name,
+                         **options)
+  return api.reverse_mode_only(_stacked, (q, k_stack, v_stack), layer, masks, impl, cfg)
+
+
+def _check_layer(layer, L: int):
+  """`layer` as an int32 scalar: an int in [0, L), or a traced integer scalar."""
+  if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+    if not 0 <= layer < L:
+      raise ValueError(f"layer={layer} must be in [0, {L}) (the stack's layers)")
+  elif (getattr(layer, "ndim", None) != 0
+        or not jnp.issubdtype(getattr(layer, "dtype", None), jnp.integer)):
+    raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+  return jnp.asarray(layer, jnp.int32)
+
+
+# The stack read in place by the implementation's `forward_stacked`; its backward is
+# the implementation's own on the layer (as jflash.attention's custom_vjp runs it), the
+# gradient of the stack being zero outside that layer.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _stacked(q, k_stack, v_stack, layer, masks, impl, cfg):
+  return sharding.forward_stacked(impl.forward_stacked, q, k_stack, v_stack, layer, cfg,
+                                  masks)[0]
+
+
+def _stacked_fwd(q, k_stack, v_stack, layer, masks, impl, cfg):
+  out, lse = sharding.forward_stacked(impl.forward_stacked, q, k_stack, v_stack, layer, cfg,
+                                      masks)
+  return out, (q, k_stack, v_stack, layer, masks, out, lse)
+
+
+def _stacked_bwd(impl, cfg, res, dout):
+  q, k_stack, v_stack, layer, masks, out, lse = res
+  q, k, v = api.zero_padding(q, k_stack[layer], v_stack[layer], masks)
+  dq, dk, dv = sharding.backward(impl, q, k, v, out, lse, dout, jnp.zeros_like(lse), cfg,
+                                 masks)[:3]
+  dq, dk, dv = api.zero_padding(dq, dk, dv, masks)
+  into_stack = lambda stack, d: jnp.zeros_like(stack).at[layer].set(d)
+  return (dq, into_stack(k_stack, dk), into_stack(v_stack, dv), None,
+          jax.tree_util.tree_map(lambda _: None, masks))
+
+
+_stacked.defvjp(_stacked_fwd, _stacked_bwd)
 
 
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_lengths, scale,

@@ -347,7 +347,8 @@ class Attention(nnx.Module):
     own (the cache's lengths onwards). With `layer` (an int or traced index), `cache` is
     the stack of every layer's caches (`DecoderLM.init_cache`), whose entry `layer` is
     this layer's, and the stack comes back with that entry written in place
-    (`KVCache.append_layer`)."""
+    (`KVCache.append_layer`); the decode kernel reads it there too
+    (`jflash.kv_cache.attention(layer=...)`)."""
     q, k, v = self.query(x), self.key(x), self.value(x)
     if self.use_rope:
       if positions is None and self.context_parallel_axis is not None:
@@ -376,12 +377,12 @@ class Attention(nnx.Module):
     if lacking:
       raise NotImplementedError(f"attention over a KV cache has no {', '.join(lacking)}")
     if layer is None:
-      cache = mine = cache.append(k, v, new_lengths)
+      cache = cache.append(k, v, new_lengths)
     else:
       cache = cache.append_layer(layer, k, v, new_lengths)
-      mine = cache.layer(layer)
-    o = kv_cache.attention(q, mine.k, mine.v, mine.lengths, query_seq_lengths=new_lengths,
-                           is_causal=self.is_causal, implementation=self.implementation)
+    o = kv_cache.attention(q, cache.k, cache.v, cache.lengths, layer=layer,
+                           query_seq_lengths=new_lengths, is_causal=self.is_causal,
+                           implementation=self.implementation)
     return self.out(o), cache
 
 

@@ -40,8 +40,9 @@ from jflash.masks import Masks
 
 # The role of each dimension of an operand or result:
 #   b batch, t query sequence, s key sequence, n query heads (= K key heads x G),
-#   k key/value heads, h head_dim, 1 a broadcast dimension of size 1.
-_Q, _KV, _LSE = "btnh", "bskh", "bnt"
+#   k key/value heads, h head_dim, l layers (a stack of KV caches), 1 a broadcast
+#   dimension of size 1.
+_Q, _KV, _LSE, _KV_STACK = "btnh", "bskh", "bnt", "lbskh"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +82,18 @@ class _Roles:
   roles: str
 
 
-def _layout(arrays: tuple, masks: Masks, results: tuple[str, ...]) -> _Layout:
+def _layout(arrays: tuple, masks: Masks, results: tuple[str, ...],
+            roles: tuple[str, ...] | None = None) -> _Layout:
+  """`roles` of `arrays` (default: q, k, v, then out and lse residuals, as the
+  forward and backward take them)."""
+  if roles is None:
+    roles = tuple(_LSE if x.ndim == 3 else (_KV if i in (1, 2) else _Q)
+                  for i, x in enumerate(arrays))
   q, k = arrays[0], arrays[1]
   B, T, N, _ = q.shape
-  S, K = k.shape[1], k.shape[2]
-  own = tuple(_LSE if x.ndim == 3 else (_KV if i in (1, 2) else _Q)
-              for i, x in enumerate(arrays))
+  S, K = k.shape[roles[1].index("s")], k.shape[roles[1].index("k")]
   mask_roles = tuple(r.roles for r in jax.tree.leaves(_mask_roles(masks, (B, N, T, S))))
-  return _Layout(own + mask_roles, results, K, N // K, masks.dropout_rate > 0)
+  return _Layout(tuple(roles) + mask_roles, results, K, N // K, masks.dropout_rate > 0)
 
 
 # -- the one rule: which mesh axes each dimension is sharded over -------------------
@@ -137,6 +142,11 @@ def _plan(layout: _Layout, specs, axis_sizes: dict[str, int]) -> _Plan:
     for axes, role in zip(spec, roles):
       if axes and role in "ts":
         raise NotImplementedError(_SEQUENCE_ERROR.format(what=names(i), axes=axes))
+      if axes and role == "l":
+        raise NotImplementedError(
+            f"{names(i)} is sharded along the KV cache stack's layer axis over mesh axes "
+            f"{axes}; a call reads one layer of the stack, whose batch and heads may be "
+            "sharded: keep the layer axis unsharded")
       if axes and role == "h":
         raise NotImplementedError(
             f"{names(i)} is sharded along head_dim over mesh axes {axes}; jflash.attention "
@@ -199,7 +209,7 @@ def _sdy_rule(call, layout: _Layout, mesh, value_types, result_types):
   # the other alike. Shardy takes no size-1 factor in a compound: MHA (G = 1) shares
   # one factor, MQA (K = 1) keeps the two apart (the one key head is on every device).
   n = "k" if layout.G == 1 else "n" if layout.K == 1 else CompoundFactor("k", "g")
-  dims = {"b": "b", "t": "t", "s": "s", "h": "h", "k": "k", "n": n}
+  dims = {"b": "b", "t": "t", "s": "s", "h": "h", "k": "k", "n": n, "l": "l"}
   ones = iter(range(1 << 16))
   def mapping(roles):
     return ArrayMapping(*(dims[r] if r != "1" else f"one{next(ones)}" for r in roles))
@@ -258,15 +268,17 @@ def _mesh(leaves):
   return jax.sharding.get_abstract_mesh()
 
 
-def _run(call: Callable, tree: tuple, masks: Masks, results: tuple[str, ...]):
-  """`call(*tree)` partitioned over the non-manual axes of the arrays' mesh."""
+def _run(call: Callable, tree: tuple, masks: Masks, results: tuple[str, ...],
+         roles: tuple[str, ...] | None = None):
+  """`call(*tree)` partitioned over the non-manual axes of the arrays' mesh (`roles`:
+  those of the arrays before `masks`, as `_layout` takes them)."""
   leaves = jax.tree.leaves(tree)
   mesh = _mesh(leaves)
   types = dict(zip(mesh.axis_names, mesh.axis_types)) if not mesh.empty else {}
   shared = {a: t for a, t in types.items() if t != AxisType.Manual and mesh.shape[a] > 1}
   if not shared:
     return tuple(call(*tree))
-  layout = _layout(tree[:-1], masks, results)
+  layout = _layout(tree[:-1], masks, results, roles)
   if AxisType.Explicit in shared.values():
     return _shard_map(call, layout, mesh, tree)
   return _partitioned(call, layout, tree)
@@ -276,6 +288,15 @@ def forward(impl, q, k, v, cfg, masks: Masks):
   """`impl.forward(q, k, v, cfg, masks)`, each device on its batch and head shard."""
   call = lambda q, k, v, masks: impl.forward(q, k, v, cfg, masks)
   return _run(call, (q, k, v, masks), masks, (_Q, _LSE))
+
+
+def forward_stacked(forward, q, k_stack, v_stack, layer, cfg, masks: Masks):
+  """`forward(q, k_stack, v_stack, layer, cfg, masks)` over layer `layer` (an int32
+  scalar) of a stack of KV caches [L, B, S, K, H], each device on its batch and head
+  shard of the stack (the layer axis stays whole)."""
+  call = lambda q, k, v, layer, masks: forward(q, k, v, layer, cfg, masks)
+  return _run(call, (q, k_stack, v_stack, layer, masks), masks, (_Q, _LSE),
+              roles=(_Q, _KV_STACK, _KV_STACK, ""))
 
 
 def backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks: Masks):

@@ -9,15 +9,18 @@ K/V again. Here (Dao et al., "Flash-Decoding for long-context inference", 2023):
     t * G + g), so each K/V byte is read once per program;
   * the key range is split over `num_splits` programs, each writing a partial (out, lse)
     in float32; `merge_splits` combines them (out = sum_s exp(lse_s - lse) out_s).
-Each program reads one row of a small table: (q_len, kv_len, query offset) of its batch
-row (pallas_kernels.masking's `query_offsets`: bottom-right alignment puts query t at
-position t + kv_len - q_len). Programs stop at the row's last visible key (kv_len, and the
+Each program reads one row of a small table: (q_len, kv_len, query offset, cache row) of
+its batch row (pallas_kernels.masking's `query_offsets`: bottom-right alignment puts query
+t at position t + kv_len - q_len). Programs stop at the row's last visible key (kv_len, and the
 causal limit of its last query), so ragged caches skip the tiles past each row's length.
 
-K/V come either contiguous, [B, S, K, H], or paged, [pages, page_size, K, H] with a
-[B, max_pages] page table (vLLM's PagedAttention layout): key c of batch row b lies in
-page table[b, c // page_size] at c % page_size. Both go through the same loop with the
-same tiles, so their results are bit-identical.
+K/V come either contiguous, [R, S, K, H] cache rows of which batch row b reads row
+info[b, 3] (b itself for a [B, S, K, H] cache; layer * B + b for a stack of layers'
+caches [L, B, S, K, H] seen as [L * B, S, K, H], so a decode loop reads its layer in
+place), or paged, [pages, page_size, K, H] with a [B, max_pages] page table (vLLM's
+PagedAttention layout): key c of batch row b lies in page table[b, c // page_size] at
+c % page_size. Both go through the same loop with the same tiles, so their results are
+bit-identical.
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def _decode_kernel(*refs, names, scale, soft_cap, is_causal, block_m, n_m, block
   r = dict(zip(names, refs))
   split = pl.program_id(0)
   info = r["info"]
-  q_len, kv_len, offset = info[0], info[1], info[2]
+  q_len, kv_len, offset, cache_row = info[0], info[1], info[2], info[3]
   row0 = pl.program_id(2) % n_m * block_m
   rows_in = common.tail(row0, T * G, block_m)
   q = common.load_heads(r["q"], (slice(None),), rows_in, H)          # [block_m, H] pieces
@@ -84,8 +87,9 @@ def _decode_kernel(*refs, names, scale, soft_cap, is_causal, block_m, n_m, block
     o, m_i, l_i = carry
     col0 = lo + j * block_k
     if page_size is None:
-      kt = common.load_heads(r["k"], (pl.ds(col0, block_k),), common.tail(col0, S, block_k), H)
-      vt = common.load_heads(r["v"], (pl.ds(col0, block_k),), common.tail(col0, S, block_k), H)
+      at = (cache_row, pl.ds(col0, block_k))
+      kt = common.load_heads(r["k"], at, common.tail(col0, S, block_k), H)
+      vt = common.load_heads(r["v"], at, common.tail(col0, S, block_k), H)
     else:
       # block_k divides the page: a tile lies inside one page.
       page = r["pages"][col0 // page_size]
@@ -148,9 +152,10 @@ def merge_splits(out, lse):
 def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
                    soft_cap: float | None = None, block_tables=None,
                    blocks: DecodeBlocks | None = None, interpret: bool | None = None):
-  """q [B, T, N, H]; k, v [B, S, K, H], or pages [P, page_size, K, H] with
+  """q [B, T, N, H]; k, v [R, S, K, H] cache rows, or pages [P, page_size, K, H] with
   `block_tables` [B, max_pages] int32; `info` [B, 8] int32 per batch row: q_len,
-  kv_len, query offset (position of query 0 for the causal rule), then zeros.
+  kv_len, query offset (position of query 0 for the causal rule), the cache row it
+  reads (contiguous caches; b for R = B), then zeros.
   Returns out [B, T, N, H] (q's dtype) and lse [B, N, T] float32 (natural log).
   Rows past q_len give zeros and lse = -inf; keys at or past kv_len are hidden."""
   B, T, N, H = q.shape
@@ -189,8 +194,8 @@ def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
     extra = [jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, mp - block_tables.shape[1])))]
   else:
-    kv_spec = pl.BlockSpec((None, common.round_up(S, bk), None, Hp),
-                           lambda s, b, p: (b, 0, p // n_m, 0))
+    kv_spec = pl.BlockSpec((k.shape[0], common.round_up(S, bk), None, Hp),
+                           lambda s, b, p: (0, 0, p // n_m, 0))
     extra_specs, extra = [], []
   kernel = functools.partial(
       _decode_kernel, names=names, scale=scale, soft_cap=soft_cap, is_causal=is_causal,

@@ -121,7 +121,7 @@ def test_nan_in_a_visible_key_reaches_the_row_and_stale_entries_do_not():
   v = np.asarray(r.standard_normal((2, 40, 2, 16)), np.float32)
   k[0, 5] = np.nan                       # visible in row 0
   v[1, 30:] = np.nan                     # stale in row 1 (length 30)
-  info = jnp.asarray([[1, 40, 39, 0, 0, 0, 0, 0], [1, 30, 29, 0, 0, 0, 0, 0]], jnp.int32)
+  info = jnp.asarray([[1, 40, 39, 0, 0, 0, 0, 0], [1, 30, 29, 1, 0, 0, 0, 0]], jnp.int32)
   out, _ = dk.decode_forward(q, jnp.asarray(k), jnp.asarray(v), info, scale=0.25, is_causal=True,
                              blocks=dk.DecodeBlocks(block_k=16, num_splits=2))
   assert np.all(np.isnan(np.asarray(out[0])))
@@ -153,8 +153,8 @@ def test_paged_equals_contiguous_bit_for_bit(T):
   lengths = jnp.asarray([64, 23, T], jnp.int32)
   kp, tables = _paged(k, ps, 5)
   vp, _ = _paged(v, ps, 5)
-  info = jnp.stack([jnp.full((B,), T), lengths, lengths - T] + [jnp.zeros((B,), int)] * 5,
-                   1).astype(jnp.int32)
+  info = jnp.stack([jnp.full((B,), T), lengths, lengths - T, jnp.arange(B)]
+                   + [jnp.zeros((B,), int)] * 4, 1).astype(jnp.int32)
   blocks = dk.DecodeBlocks(block_k=ps, num_splits=2)
   contiguous = dk.decode_forward(q, k, v, info, scale=0.2, is_causal=True, blocks=blocks)
   paged = dk.decode_forward(q, kp, vp, info, scale=0.2, is_causal=True, block_tables=tables,
@@ -224,6 +224,66 @@ def test_append_to_one_layer_of_a_stack_leaves_the_others():
     kv_cache.append(k, k, lengths, new, new, layer=3)
 
 
+def _stack_problem(seed, L=3, B=3, S=48, K=2, H=16, T=1, N=4):
+  """A stack of caches [L, B, S, K, H] whose entries past each row's length are NaN
+  (stale), lengths [L, B], and queries [B, T, N, H]."""
+  r = np.random.default_rng(seed)
+  lengths = np.asarray([[48, 20, 1], [7, 33, 48], [2, 2, 2]], np.int32)[:L, :B]
+  past = np.arange(S)[None, None, :, None, None] >= lengths[:, :, None, None, None]
+  k, v = (np.where(past, np.nan, r.standard_normal((L, B, S, K, H))).astype(np.float32)
+          for _ in range(2))
+  q = r.standard_normal((B, T, N, H)).astype(np.float32)
+  return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_layer_of_a_stack_equals_its_own_cache_bit_for_bit(T):
+  # The decode kernel reads layer i inside the stack; the same call on the layer's own
+  # cache (a copy) runs the same tiles. Stale entries (NaN) past the lengths stay out.
+  q, k, v, lengths = _stack_problem(12, T=T)
+  attend = jax.jit(lambda q, k, v, n, i: kv_cache.attention(
+      q, k, v, n, layer=i, implementation="pallas_decode"))
+  for i in range(k.shape[0]):
+    own = kv_cache.attention(q, k[i], v[i], lengths[i], implementation="pallas_decode")
+    got = attend(q, k, v, lengths, i)                     # i traced
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_array_equal(np.asarray(kv_cache.attention(
+        q, k, v, lengths, layer=i, implementation="pallas_decode")), np.asarray(own))
+
+
+def test_layer_of_a_stack_gradients_equal_its_own_caches():
+  q, k, v, lengths = _stack_problem(13, T=2)
+  k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+  do = jnp.asarray(np.random.default_rng(14).standard_normal(q.shape), F32)
+  i = 1
+  stacked = jax.grad(lambda q, k, v: jnp.sum(kv_cache.attention(
+      q, k, v, lengths, layer=i, implementation="pallas_decode") * do), argnums=(0, 1, 2))(q, k, v)
+  own = jax.grad(lambda q, k, v: jnp.sum(kv_cache.attention(
+      q, k, v, lengths[i], implementation="pallas_decode") * do), argnums=(0, 1, 2))(q, k[i], v[i])
+  np.testing.assert_array_equal(np.asarray(stacked[0]), np.asarray(own[0]))
+  for d_stack, d_own in zip(stacked[1:], own[1:]):
+    np.testing.assert_array_equal(np.asarray(d_stack[i]), np.asarray(d_own))
+    np.testing.assert_array_equal(np.asarray(jnp.delete(d_stack, i, axis=0)), 0)
+
+
+def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
+  q, k, v, lengths = _stack_problem(15)
+  k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+  own = kv_cache.attention(q, k[2], v[2], lengths[2], implementation="xla")
+  got = kv_cache.attention(q, k, v, lengths, layer=2, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
+  with pytest.raises(ValueError, match="layer=3"):
+    kv_cache.attention(q, k, v, lengths, layer=3)
+  with pytest.raises(ValueError, match="layer must be an int"):
+    kv_cache.attention(q, k, v, lengths, layer=1.0)
+  with pytest.raises(ValueError, match="stack"):
+    kv_cache.attention(q, k[0], v[0], lengths[0], layer=0)
+  with pytest.raises(NotImplementedError, match="paged"):
+    kv_cache.attention(q, k[0], v[0], lengths[0], layer=0,
+                       block_tables=jnp.zeros((3, 1), jnp.int32))
+
+
 def test_append_of_more_keys_than_the_cache_holds_raises():
   z = lambda *s: jnp.zeros(s, jnp.float32)
   with pytest.raises(ValueError, match="5 new keys .* S=4"):
@@ -289,20 +349,22 @@ def test_decode_steps_over_a_cache_equal_full_causal_attention(block_tables):
       check(out[b, 0], b, int(pos[b]))
 
 
-@pytest.mark.parametrize("T, paged", [(1, False), (16, False), (1, True)])
-def test_lowers_through_triton(T, paged):
+@pytest.mark.parametrize("T, layout", [(1, "contiguous"), (16, "contiguous"), (1, "stack"),
+                                       (1, "paged")])
+def test_lowers_through_triton(T, layout):
   # Interpret mode never runs the Triton lowering; lowering for CUDA does (no GPU needed).
   B, S, N, K, H = 2, 1024, 32, 8, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
   info = jax.ShapeDtypeStruct((B, 8), jnp.int32)
-  if paged:
+  if layout == "paged":
     kv = jax.ShapeDtypeStruct((64, 64, K, H), jnp.bfloat16)
     tables = jax.ShapeDtypeStruct((B, 16), jnp.int32)
     f = lambda q, k, v, info, t: dk.decode_forward(q, k, v, info, scale=0.1, is_causal=True,
                                                    block_tables=t, interpret=False)
     args = (q, kv, kv, info, tables)
   else:
-    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    rows = 3 * B if layout == "stack" else B            # a stack of 3 layers' caches
+    kv = jax.ShapeDtypeStruct((rows, S, K, H), jnp.bfloat16)
     f = lambda q, k, v, info: dk.decode_forward(q, k, v, info, scale=0.1, is_causal=True,
                                                 interpret=False)
     args = (q, kv, kv, info)

@@ -45,13 +45,17 @@ def test_decode_loop_writes_the_cache_stack_in_place(scan_layers):
   # Each block appends to its own entry of the [L, ...] stack the loop carries (one
   # scatter, `KVCache.append_layer`): the compiled loop's temporaries stay below half
   # the stack, where taking each layer's cache out and stacking them again copies the
-  # whole stack every step (temporaries of a stack or more).
+  # whole stack every step (temporaries of a stack or more). The attention that reads
+  # each layer where it lies: on a GPU the decode kernel; on the CPU "xla", whose
+  # loops XLA fuses with the slice (the kernel's interpreter copies its blocks, and
+  # XLA:GPU copies matmul operands into cuBLAS layouts).
   from jflash import generate
   from jflash.kv_cache import KVCache
   L, B, S = 4, 2, 512
+  impl = "pallas_decode" if jax.default_backend() == "gpu" else "xla"
   cfg = jflash.nn.LMConfig(vocab_size=64, num_layers=L, hidden=64, num_heads=4,
                            num_kv_heads=2, scan_layers=scan_layers, seq_len=S,
-                           attention_implementation="xla")
+                           attention_implementation=impl)
   graphdef, state = nnx.split(jflash.nn.DecoderLM(cfg, rngs=nnx.Rngs(0)))
   shape = (L, B, S, cfg.kv_heads, cfg.dim_per_head)
   cache = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.full((L, B), 100, jnp.int32))
@@ -63,6 +67,56 @@ def test_decode_loop_writes_the_cache_stack_in_place(scan_layers):
                         jnp.full((B,), 100, jnp.int32)).compile()
   stack = cache.k.nbytes + cache.v.nbytes
   assert compiled.memory_analysis().temp_size_in_bytes < stack / 2
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_decode_kernel_reads_each_layer_inside_the_stack(scan_layers, monkeypatch):
+  # The loop lowered for CUDA (no GPU needed) with the Triton kernels (not their
+  # interpreter, whose blocks are copies): each decode step's kernel reads the [L * B,
+  # S, K, H] rows of the carried stack, and no value of one layer's cache shape exists,
+  # so no layer is copied out of the stack (nor zeroed: the kernel hides the padding).
+  from jflash import generate
+  from jflash.kv_cache import KVCache
+  from pallas_kernels import common
+  monkeypatch.setattr(common, "use_interpret", lambda i: False if i is None else i)
+  L, B, S = 4, 2, 512
+  cfg = jflash.nn.LMConfig(vocab_size=64, num_layers=L, hidden=64, num_heads=4,
+                           num_kv_heads=2, scan_layers=scan_layers, seq_len=S,
+                           attention_implementation="pallas_decode")
+  graphdef, state = nnx.split(jflash.nn.DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  K, H = cfg.kv_heads, cfg.dim_per_head
+  cache = KVCache(jnp.zeros((L, B, S, K, H)), jnp.zeros((L, B, S, K, H)),
+                  jnp.full((L, B), 100, jnp.int32))
+  pick = lambda logits, key: generate.sample(logits, key, temperature=0.0, top_k=None)
+  loop = jax.jit(lambda state, cache, token, positions: generate.decode_tokens(
+      nnx.merge(graphdef, state), cache, token, positions, 3, pick=pick,
+      rng=jax.random.key(0)), donate_argnums=(1,))
+  try:
+    text = loop.trace(state, cache, jnp.zeros((B,), jnp.int32),
+                      jnp.full((B,), 100, jnp.int32)).lower(
+                          lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:
+    if "No supported GPU devices found" not in str(e):
+      raise
+    pytest.skip("this JAX lowers Triton kernels only for a present (or abstract) GPU")
+  kernels = [l for l in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in l]
+  assert len(kernels) == (1 if scan_layers else L), len(kernels)
+  rows = f"tensor<{L * B}x{S}x{K}x{H}xf32>"
+  assert text.count(rows) >= 2 * len(kernels)               # K and V of each kernel
+  assert f"tensor<{B}x{S}x{K}x{H}xf32>" not in text
+
+
+def test_generate_through_the_decode_kernel_equals_recomputation():
+  # Prompts of up to 7 tokens and decode steps all run the split-KV kernel
+  # (interpreted), each layer read inside the cache stack.
+  cfg = jflash.nn.LMConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4,
+                           num_kv_heads=2, attention_implementation="pallas_decode")
+  model = jflash.nn.DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 7)), jnp.int32)
+  lengths = np.asarray([7, 2])
+  out = np.asarray(model.generate(tokens, 4, prompt_lengths=jnp.asarray(lengths)))
+  for b, n in enumerate(lengths):
+    assert out[b, :n + 4].tolist() == _recompute_greedy(model, np.asarray(tokens[b, :n]), 4), b
 
 
 def test_top_1_sampling_is_greedy_and_sampling_follows_the_key():

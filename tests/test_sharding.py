@@ -228,6 +228,70 @@ def _mosaic_shard_map_case():
                        for n, a, b in zip(("out", "lse"), got, want)}}
 
 
+def _stack_case(kind):
+  """One decode step (T = 1) over layer 1 of a stack of KV caches [L, B, S, K, H]
+  sharded along batch and heads, read in place by the split-KV kernel
+  (`kv_cache.attention(layer=...)`), forward and gradient. Bottom-right causal with
+  T = 1 is every key below the row's length: the truth is unmasked attention over them."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jflash
+  from jflash import kv_cache
+  mesh = _mesh(kind)
+  L, layer = 3, 1
+  rng = np.random.default_rng(2)
+  f = lambda *s: rng.standard_normal(s).astype(np.float32)
+  q, k, v, dout = f(B, 1, N, H), f(L, B, T, K, H), f(L, B, T, K, H), f(B, 1, N, H)
+  lengths = np.array([[T] * B, [T, 17, 9, 1], [5] * B], np.int32)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  stack = P(None, "x", None, "y", None)
+  args = (put(q, P(*SPEC)), put(k, stack), put(v, stack), put(lengths, P(None, "x")))
+
+  def loss(q, k, v, lengths, do, layer):
+    return jnp.sum(kv_cache.attention(q, k, v, lengths, layer=layer,
+                                      implementation="pallas_decode") * do)
+  fwd = jax.jit(lambda q, k, v, lengths, layer: kv_cache.attention(
+      q, k, v, lengths, layer=layer, implementation="pallas_decode"))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  do = put(dout, P(*SPEC))
+  out = fwd(*args, layer)
+  grads = grad(*args, do, layer)
+  text = (fwd.lower(*args, layer).compile().as_text()
+          + grad.lower(*args, do, layer).compile().as_text())
+  base = fwd(q, k, v, lengths, layer)
+  base_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, lengths, dout, layer)
+  truth = _truth_unmasked(q, k[layer], v[layer], dout, lengths[layer])
+  in_stack = lambda t: np.stack([t if i == layer else np.zeros_like(t) for i in range(L)])
+  errors = {"out": _errors(out, truth[0], base),
+            "dq": _errors(grads[0], truth[1], base_grads[0]),
+            "dk": _errors(grads[1], in_stack(truth[2]), base_grads[1]),
+            "dv": _errors(grads[2], in_stack(truth[3]), base_grads[2])}
+  specs = {"out": _spec(out), "dq": _spec(grads[0]), "dk": _spec(grads[1])}
+  return {"specs": specs, "collectives": _collectives(text), "errors": errors}
+
+
+def _truth_unmasked(q, k, v, dout, lengths):
+  """float64 (out, dq, dk, dv) of GQA attention of each row over its first lengths[b]
+  keys (no causal mask)."""
+  q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+  G = q.shape[2] // k.shape[2]
+  kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  c = 1 / np.sqrt(q.shape[-1])
+  s = np.einsum("btnh,bsnh->bnts", q, kr) * c
+  vis = np.arange(k.shape[1])[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
+  s = np.where(vis, s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True)
+  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  dp = np.einsum("btnh,bsnh->bnts", dout, vr)
+  ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
+  fold = lambda x: x.reshape(*x.shape[:2], k.shape[2], G, x.shape[-1]).sum(3)
+  return (out, np.einsum("bnts,bsnh->btnh", ds, kr) * c,
+          fold(np.einsum("bnts,btnh->bsnh", ds, q) * c), fold(np.einsum("bnts,btnh->bsnh", p, dout)))
+
+
 def _error_of(fn):
   try:
     fn()
@@ -255,6 +319,17 @@ def _refusals():
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, None, "h")))
   res["gqa-split"] = _error_of(lambda: jax.jit(
       lambda q: jflash.attention(q, k, v, implementation="xla_chunked"))(put(q)))
+  from jflash import kv_cache
+  stack = np.zeros((2, B, T, K, H), np.float32)
+  for kind in MESHES:
+    mesh = _mesh(kind)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    layers = P("x")
+    res[f"stack-layers-{kind}"] = _error_of(lambda: jax.jit(
+        lambda q, k, v, n: kv_cache.attention(q, k, v, n, layer=0,
+                                              implementation="pallas_decode")).lower(
+            q[:, :1], put(stack, layers), put(stack, layers),
+            np.full((2, B), T, np.int32)).compile())
   mesh = _mesh("Explicit")
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))
   res["dropout"] = _error_of(lambda: jax.jit(lambda q, k, v: jflash.attention(
@@ -274,6 +349,8 @@ def _worker():
     run(f"shard_map-{impl}", lambda: _shard_map_case(impl))
   for impl, kind in (("xla_chunked", "Auto"), ("pallas", "Auto"), ("pallas", "Explicit")):
     run(f"masks-{impl}-{kind}", lambda: _jit_case(impl, kind, with_masks=True))
+  for kind in MESHES:
+    run(f"stack-{kind}", lambda: _stack_case(kind))
   run("refusals", _refusals)
   print(RESULT_MARK + json.dumps(cases))
 
@@ -391,6 +468,22 @@ def test_sharded_sequence_points_to_ring_attention(results, kind):
   # decided by the partitioner at compile time, which reports the rule's error.
   assert err["type"] == ("NotImplementedError" if kind == "Explicit" else "JaxRuntimeError")
   assert "NotImplementedError" in err["message"] or err["type"] == "NotImplementedError"
+
+
+@pytest.mark.parametrize("kind", MESHES)
+def test_decode_over_a_sharded_cache_stack_reads_its_layer_in_place(results, kind):
+  res = _case(results, f"stack-{kind}")
+  assert res["specs"]["out"] == list(SPEC) and res["specs"]["dq"] == list(SPEC), res["specs"]
+  assert res["specs"]["dk"] == [None, "x", None, "y", None], res["specs"]
+  assert not any(res["collectives"].values()), res["collectives"]
+  _check_errors(f"stack-{kind}", res["errors"])
+
+
+@pytest.mark.parametrize("kind", MESHES)
+def test_cache_stack_sharded_along_its_layers_is_refused(results, kind):
+  err = _case(results, "refusals")[f"stack-layers-{kind}"]
+  assert "layer axis" in err["message"], err
+  assert err["type"] == ("NotImplementedError" if kind == "Explicit" else "JaxRuntimeError")
 
 
 def test_gqa_group_split_across_devices_is_refused(results):
