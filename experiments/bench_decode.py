@@ -18,8 +18,9 @@ Peers, checked against "xla" before they are timed, timed together in rounds
   cudnn             the same with implementation="cudnn" (where cuDNN takes the shape)
   jax_pallas_decode JAX's Pallas decode kernel (jax.experimental.pallas.ops.gpu.
                     decode_attention.gqa; T = 1 only)
-  pallas_decode:... the split-KV kernel at other tiles (`DECODE_CANDIDATES`), to show
-                    where its defaults stand
+  pallas_decode:... the split-KV kernel at other tiles and split rules
+                    (`DECODE_CANDIDATES`: `pallas_kernels.decode.default_splits` with
+                    other targets), to show where its defaults stand
 
 Generate: decode tokens/s of `jflash.generate.decode_tokens` (one jitted loop of
 `--gen-steps` steps for each batch in `--gen-batches`, from a cache holding each
@@ -42,10 +43,11 @@ import numpy as np
 from experiments import common
 
 PEERS = ("jflash", "xla", "cudnn", "jax_pallas_decode")
-# The decode kernel's tiles timed beside its defaults (GPU preset): (block_k, warps,
-# stages, splits as a multiple of the default's).
-DECODE_CANDIDATES = ((128, 4, 3, 1), (64, 4, 3, 2), (64, 4, 3, 4), (128, 4, 3, 2),
-                     (64, 4, 4, 2))
+# The decode kernel's tiles and split rules timed beside its defaults (GPU preset):
+# (block_k, warps, stages, target programs, rounding of the splits "up" or "down",
+# short_tiles), the last three `default_splits`' arguments.
+DECODE_CANDIDATES = ((64, 4, 3, 528, "up", 0), (64, 4, 3, 1056, "down", 4),
+                     (128, 4, 3, 528, "down", 4), (64, 4, 4, 528, "down", 4))
 # (B, T, S, N, K): the issue's cells, then MHA and one long sequence at 8K and 512K.
 GPU_CELLS = ((8, 1, 32768, 32, 8), (1, 1, 131072, 32, 8), (64, 1, 4096, 32, 8),
              (8, 16, 32768, 32, 8), (8, 1, 32768, 32, 32), (1, 1, 8192, 32, 8),
@@ -58,7 +60,7 @@ PRESETS = {
                                num_kv_heads=4, head_dim=128, dtype="bfloat16",
                                param_dtype="bfloat16")),
     "tiny": dict(cells=((2, 1, 256, 4, 2), (1, 4, 200, 4, 4)), head_dim=16, dtype="float32",
-                 rounds=2, round_ms=1.0, warm_ms=0.0, candidates=((16, 4, 2, 2),),
+                 rounds=2, round_ms=1.0, warm_ms=0.0, candidates=((16, 4, 2, 8, "up", 1),),
                  gen_contexts=(32,), gen_batches=(2,),
                  gen_steps=3, gen_model=dict(vocab_size=64, num_layers=1, hidden=32,
                                              num_heads=4, num_kv_heads=2)),
@@ -121,8 +123,8 @@ def _peer(name, B, T, S, N, K, H):
   raise ValueError(f"unknown peer {name!r}")
 
 
-def _candidate_name(bk, warps, stages, split_x) -> str:
-  return f"pallas_decode:bk{bk},w{warps},s{stages},x{split_x}"
+def _candidate_name(bk, warps, stages, target, rounding, short_tiles) -> str:
+  return f"pallas_decode:bk{bk},w{warps},s{stages},p{target},{rounding},t{short_tiles}"
 
 
 def _decode_candidate(name, B, T, S, N, K, H):
@@ -130,10 +132,12 @@ def _decode_candidate(name, B, T, S, N, K, H):
   import jflash
   from jflash import decode_impl
   from pallas_kernels import decode as dk
-  bk, warps, stages, split_x = (int(x[1:] if x[0] in "wsx" else x[2:])
-                                for x in name.split(":")[1].split(","))
+  bk, warps, stages, target, rounding, short = name.split(":")[1].split(",")
+  bk, warps, stages, target, short = (int(x.lstrip("bkwspt"))
+                                      for x in (bk, warps, stages, target, short))
   n_m = -(-(T * (N // K)) // dk.MAX_BLOCK_M)
-  splits = split_x * dk.default_splits(B * K * n_m, S, bk)
+  splits = dk.default_splits(B * K * n_m, S, bk, target_programs=target,
+                             round_down=rounding == "down", short_tiles=short)
   blocks = dk.DecodeBlocks(block_k=bk, num_splits=splits, num_warps=warps, num_stages=stages)
 
   def f(q, k, v):

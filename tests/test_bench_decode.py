@@ -24,7 +24,7 @@ def test_tiny_cpu_smoke(tmp_path):
   assert len(cells) == 2
   for cell in cells:
     peers = {r["peer"]: r for r in rows if (r["batch"], r["T"], r["S"]) == cell}
-    for name in ("jflash", "xla", "pallas_decode:bk16,w4,s2,x2"):
+    for name in ("jflash", "xla", "pallas_decode:bk16,w4,s2,p8,up,t1"):
       r = peers[name]
       assert r["status"] == "ok", r
       assert r["us"] > 0 and r["tb_s"] > 0 and r["hbm_fraction"] > 0 and r["bytes"] > 0
