@@ -273,6 +273,9 @@ def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
   own = kv_cache.attention(q, k[2], v[2], lengths[2], implementation="xla")
   got = kv_cache.attention(q, k, v, lengths, layer=2, implementation="xla")
   np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
+  with pytest.raises(NotImplementedError, match="reverse-mode"):
+    jax.jvp(lambda q: kv_cache.attention(q, k, v, lengths, layer=1,
+                                         implementation="pallas_decode"), (q,), (q,))
   with pytest.raises(ValueError, match="layer=3"):
     kv_cache.attention(q, k, v, lengths, layer=3)
   with pytest.raises(ValueError, match="layer must be an int"):
