@@ -24,6 +24,8 @@ declare -A CASES=(
   [bwd_d128_triton]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward pallas"
   [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu"
   [fwd_d128]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only"
+  [fwd_1k_causal]="--seq 1024 --head-dim 128 --heads 16 --batch 16 --causal --implementation mosaic_gpu --forward-only"
+  [fwd_1k_causal_two]="--seq 1024 --head-dim 128 --heads 16 --batch 16 --causal --implementation mosaic_gpu --forward-only --config {\"consumers\":2}"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(fwd_d64 fwd_d256 bwd_d128_triton bwd_d128_mosaic)
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
