@@ -224,13 +224,18 @@ def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
           pl.BlockSpec((None, None, None, bm, Hp), lambda s, b, p: (b, p // n_m, s, p % n_m, 0)),
           pl.BlockSpec((None, None, None, bm), lambda s, b, p: (b, p // n_m, s, p % n_m)),
       ],
-      out_shape=[common.out_type((B, K, splits, M, H), acc, qg, k, v, info, *extra),
+      out_shape=[common.out_type((B, K, splits, M, H), q.dtype if splits == 1 else acc, qg, k,
+                                 v, info, *extra),
                  common.out_type((B, K, splits, M), acc, qg, k, v, info, *extra)],
       compiler_params=common.triton_params(blocks.num_warps, blocks.num_stages),
       interpret=interp,
       name="jflash_decode",
   )(qg, k, v, info, *extra)
-  out, lse = merge_splits(out, lse)                   # [B, K, M, H], [B, K, M]
+  if splits == 1:
+    # One split's (out, lse) are the result: written in q's dtype, no merge pass.
+    out, lse = out[:, :, 0], lse[:, :, 0]
+  else:
+    out, lse = merge_splits(out, lse)                 # [B, K, M, H], [B, K, M]
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
   lse = lse.reshape(B, K, T, G).transpose(0, 1, 3, 2).reshape(B, N, T)
   return out.astype(q.dtype), lse

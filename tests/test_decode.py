@@ -91,6 +91,27 @@ def test_gradients_through_the_regular_backward(implementation, cache, new, N, K
       assert err <= bound, (b, name, err, err_plain)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_bfloat16_rows_in_one_split_and_merged(num_splits):
+  # One split writes its rows in the input dtype with no merge pass; several merge in
+  # float32. Either way within the rule of a bfloat16 plain implementation.
+  B, S, N, K, H = 2, 64, 4, 2, 32
+  r = np.random.default_rng(21)
+  q, k, v = (jnp.asarray(r.standard_normal(s), jnp.bfloat16)
+             for s in ((B, 1, N, H), (B, S, K, H), (B, S, K, H)))
+  lengths = jnp.asarray([64, 37], jnp.int32)
+  masks = jflash.prepare(q, k, v, key_value_seq_lengths=lengths)[1]
+  info = decode_impl.row_info(masks, B, 1, S)
+  out, lse = dk.decode_forward(q, k, v, info, scale=H ** -0.5,
+                               blocks=dk.DecodeBlocks(block_k=16, num_splits=num_splits))
+  assert out.dtype == jnp.bfloat16 and lse.dtype == F32
+  f64 = lambda x: np.asarray(x, np.float64)
+  want = jflash.attention_numpy(f64(q), f64(k), f64(v), key_value_seq_lengths=lengths)[0]
+  plain = jflash.attention(q, k, v, key_value_seq_lengths=lengths, implementation="xla")
+  err, err_plain = max_err(f64(out), want), max_err(f64(plain), want)
+  assert err <= 2 * err_plain + floor(jnp.bfloat16, want, S), (err, err_plain)
+
+
 def test_pallas_picks_the_decode_kernel_for_small_T(monkeypatch):
   calls = []
   original = dk.decode_forward
