@@ -251,7 +251,11 @@ def _stacked_bwd(impl, cfg, res, dout):
   dq, dk, dv = sharding.backward(impl, q, k, v, out, lse, dout, jnp.zeros_like(lse), cfg,
                                  masks)[:3]
   dq, dk, dv = api.zero_padding(dq, dk, dv, masks)
-  into_stack = lambda stack, d: jnp.zeros_like(stack).at[layer].set(d)
+  # A select, not a scatter into zeros: the stack's gradient takes the sharding of the
+  # layer's (batch and heads), which a scatter into a new array leaves unresolved.
+  at_layer = (jnp.arange(k_stack.shape[0]) == layer).reshape(-1, 1, 1, 1, 1)
+  into_stack = lambda stack, d: jnp.where(at_layer, d[None], jnp.zeros((), d.dtype)).astype(
+      stack.dtype)
   return (dq, into_stack(k_stack, dk), into_stack(v_stack, dv), None,
           jax.tree_util.tree_map(lambda _: None, masks))
 
