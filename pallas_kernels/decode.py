@@ -8,8 +8,7 @@ K/V again. Here (Dao et al., "Flash-Decoding for long-context inference", 2023):
   * one program owns all T x G query rows of a GQA group (a [T * G, H] tile, row
     t * G + g), so each K/V byte is read once per program;
   * the key range is split over `num_splits` programs, each writing a partial (out, lse)
-    in float32; `merge_splits`, a second kernel, combines them (out = sum_s exp(lse_s -
-    lse) out_s).
+    in float32; `merge_splits` combines them (out = sum_s exp(lse_s - lse) out_s).
 Each program reads one row of a small table: (q_len, kv_len, query offset, cache row) of
 its batch row (pallas_kernels.masking's `query_offsets`: bottom-right alignment puts query
 t at position t + kv_len - q_len). Programs stop at the row's last visible key (kv_len, and the
@@ -144,54 +143,19 @@ def _decode_kernel(*refs, names, scale, soft_cap, is_causal, block_m, n_m, block
                rows_in)
 
 
-def _merge_kernel(out_ref, lse_ref, o_ref, lse_o_ref, *, splits, M, H, block_m):
-  rows_in = common.tail(pl.program_id(2) * block_m, M, block_m)
-
-  def body(s, carry):
-    # Online over the splits, as over key tiles in the kernel above: the running max
-    # m, the weight l of what is summed so far, and the sum itself.
-    acc, m_i, l_i = carry
-    lse_s = common.load(lse_ref.at[s], rows_in, other=-jnp.inf)
-    out_s = common.load_heads(out_ref, (s, slice(None)), rows_in, H)
-    m_new = jnp.maximum(m_i, lse_s)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha, w = jnp.exp(m_i - m_safe), jnp.exp(lse_s - m_safe)
-    acc = tuple(alpha[:, None] * a + w[:, None] * o for a, o in zip(acc, out_s))
-    return acc, m_new, alpha * l_i + w
-
-  acc = tuple(jnp.zeros((block_m, w), out_ref.dtype) for _, w in common.head_pieces(H))
-  m_i = jnp.full((block_m,), -jnp.inf, lse_ref.dtype)
-  acc, m_i, l_i = lax.fori_loop(0, splits, body, (acc, m_i, jnp.zeros_like(m_i)))
-  has = l_i != 0                        # NaN in a partial: kept, it reaches both results
-  l_safe = jnp.where(has, l_i, 1.0)
-  common.store_heads(o_ref, [a / l_safe[:, None] for a in acc], rows_in, H)
-  common.store(lse_o_ref, jnp.where(has, m_i + jnp.log(l_safe), -jnp.inf), rows_in)
-
-
-def merge_splits(out, lse, dtype, *, block_m: int, interpret: bool):
-  """Partial results [B, K, splits, M, H] and lse [B, K, splits, M] (float32, or
-  float64 for float64 inputs) -> the
-  attention over all keys, out [B, K, M, H] in `dtype` and lse [B, K, M]: lse =
-  logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s. Rows no split saw give out = 0,
-  lse = -inf; a NaN reaches both. One kernel: the same merge as XLA operations compiles
-  to four small fusions (a max, a sum, a divide, the weighted sum), which at 1 x 8K took
-  as long as 70% of the decode kernel."""
-  B, K, splits, M, H = out.shape
-  Hp = padded_head_dim(H)
-  n_m = -(-M // block_m)
-  return pl.pallas_call(
-      functools.partial(_merge_kernel, splits=splits, M=M, H=H, block_m=block_m),
-      grid=(B, K, n_m),
-      in_specs=[pl.BlockSpec((None, None, splits, block_m, Hp), lambda b, k, m: (b, k, 0, m, 0)),
-                pl.BlockSpec((None, None, splits, block_m), lambda b, k, m: (b, k, 0, m))],
-      out_specs=[pl.BlockSpec((None, None, block_m, Hp), lambda b, k, m: (b, k, m, 0)),
-                 pl.BlockSpec((None, None, block_m), lambda b, k, m: (b, k, m))],
-      out_shape=[common.out_type((B, K, M, H), dtype, out, lse),
-                 common.out_type((B, K, M), lse.dtype, out, lse)],
-      compiler_params=common.triton_params(4, 3),
-      interpret=interpret,
-      name="jflash_decode_merge",
-  )(out, lse)
+def merge_splits(out, lse):
+  """Partial results [..., splits, M, H] and lse [..., splits, M] (float32) -> the
+  attention over all keys: lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s.
+  Rows no split saw stay out = 0, lse = -inf; a NaN reaches both."""
+  m = jnp.max(lse, axis=-2, keepdims=True)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m_safe)                                          # [..., splits, M]
+  total = jnp.sum(w, axis=-2, keepdims=True)
+  has = total != 0
+  t_safe = jnp.where(has, total, 1.0)
+  o = jnp.sum(out * (w / t_safe)[..., None], axis=-3)
+  lse_all = jnp.where(has, m_safe + jnp.log(t_safe), -jnp.inf)[..., 0, :]
+  return o, lse_all
 
 
 def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
@@ -271,7 +235,7 @@ def decode_forward(q, k, v, info, *, scale: float, is_causal: bool = False,
     # One split's (out, lse) are the result: written in q's dtype, no merge pass.
     out, lse = out[:, :, 0], lse[:, :, 0]
   else:
-    out, lse = merge_splits(out, lse, q.dtype, block_m=bm, interpret=interp)
+    out, lse = merge_splits(out, lse)                 # [B, K, M, H], [B, K, M]
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
   lse = lse.reshape(B, K, T, G).transpose(0, 1, 3, 2).reshape(B, N, T)
-  return out, lse
+  return out.astype(q.dtype), lse
