@@ -112,6 +112,36 @@ def test_bfloat16_rows_in_one_split_and_merged(num_splits):
   assert err <= 2 * err_plain + floor(jnp.bfloat16, want, S), (err, err_plain)
 
 
+def test_merge_equals_logsumexp_of_the_splits():
+  # Partials [B, K, splits, M, H]: the merged lse is logsumexp over the splits and the
+  # output the lse-weighted sum (float64 truth); a row no split saw gives 0 and -inf,
+  # a NaN partial reaches its row only.
+  B, K, splits, M, H = 2, 2, 5, 3, 48
+  r = np.random.default_rng(22)
+  out = r.standard_normal((B, K, splits, M, H)).astype(np.float32)
+  lse = (4 * r.standard_normal((B, K, splits, M))).astype(np.float32)
+  lse[0, 0, 1:, 0] = -np.inf                       # one split only
+  lse[0, 1, :, 1] = -np.inf                        # no split: an empty row
+  out[0, 1, :, 1] = 0.0
+  lse[1, 0, 3, 2] = np.nan
+  o, l = dk.merge_splits(jnp.asarray(out), jnp.asarray(lse))
+  lse64 = lse.astype(np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    m = np.max(lse64, axis=2, keepdims=True)
+    w = np.exp(lse64 - np.where(m == -np.inf, 0, m))
+    total = w.sum(2)
+    want_o = np.einsum("bksm,bksmh->bkmh", w, out) / total[..., None]
+    want_l = np.log(total) + m[:, :, 0]
+  o, l = np.asarray(o, np.float64), np.asarray(l, np.float64)
+  assert np.isnan(l[1, 0, 2]) and np.all(np.isnan(o[1, 0, 2]))
+  assert l[0, 1, 1] == -np.inf and np.all(o[0, 1, 1] == 0)
+  ok = np.isfinite(want_l)
+  assert ok.sum() == B * K * M - 2
+  tol = 8 * np.finfo(np.float32).eps
+  np.testing.assert_allclose(l[ok], want_l[ok], rtol=tol, atol=tol * np.abs(want_l[ok]).max())
+  np.testing.assert_allclose(o[ok], want_o[ok], rtol=0, atol=tol * np.abs(want_o[ok]).max() * splits)
+
+
 def test_pallas_picks_the_decode_kernel_for_small_T(monkeypatch):
   calls = []
   original = dk.decode_forward
