@@ -94,6 +94,11 @@ class Implementation:
   masks_padding: bool = False
   forward_stacked: Callable[..., tuple[Array, Array]] | None = None
 
+  def __post_init__(self):
+    if self.forward_stacked is not None and not self.masks_padding:
+      raise ValueError(f"implementation {self.name!r}: forward_stacked needs masks_padding "
+                       "(nothing zeroes a stack's padding before the forward reads it)")
+
 
 _REGISTRY: dict[str, Callable[[], Implementation]] = {}
 
@@ -471,18 +476,25 @@ def _flash_fwd(q, k, v, masks, impl, cfg):
   return (out, lse), (q, k, v, masks, out, lse)
 
 
+def flash_backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks):
+  """`impl.backward` on each device's shard (`jflash.sharding.backward`), for the saved
+  (q, k, v, out, lse). For an implementation whose forward read the padding as it was
+  (`masks_padding`), the backward kernels get it zeroed, and padded rows and keys get
+  no gradient (as through `zero_padding`'s select)."""
+  if impl.masks_padding:
+    q, k, v = zero_padding(q, k, v, masks)
+  grads = sharding.backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks)
+  if impl.masks_padding:
+    grads = (*zero_padding(*grads[:3], masks), *grads[3:])
+  return grads
+
+
 def _flash_bwd(impl, cfg, res, cotangents):
   q, k, v, masks, out, lse = res
   dout, dlse = cotangents
-  if impl.masks_padding:
-    # Its forward read the padding as it was; the backward kernels need it zeroed.
-    q, k, v = zero_padding(q, k, v, masks)
   # d lse_i / d s_ij = P_ij, so a cotangent on lse folds into delta:
   # dS = P * (dP - (rowsum(dO * O) - dlse)). Without return_residuals dlse is zero.
-  grads = sharding.backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks)
-  if impl.masks_padding:
-    # Padded rows and keys have no gradient (as through zero_padding's select).
-    grads = (*zero_padding(*grads[:3], masks), *grads[3:])
+  grads = flash_backward(impl, q, k, v, out, lse, dout, dlse, cfg, masks)
   # Only the bias has a gradient; masks, lengths, ids and the seed are not
   # differentiable (None stands for their zero cotangent).
   dmasks = dataclasses.replace(jax.tree_util.tree_map(lambda _: None, masks),

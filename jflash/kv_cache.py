@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash import api, sharding
-from jflash.masks import Masks
 
 Array = jax.Array
 
@@ -90,15 +89,11 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=N
   """Writes row b's first new_lengths[b] (default T) new keys/values at positions
   lengths[b] .. of a contiguous cache; returns (k_cache, v_cache, lengths +
   new_lengths). Positions at or past S are dropped (the caller sizes the cache).
-  With `layer` (an int in [0, L), or a traced index the caller keeps there), the cache
-  is a stack of layers' caches ([L, B, S, K, H], lengths [L, B]) and only layer
-  `layer`'s is written."""
+  With `layer` (`_check_layer`), the cache is a stack of layers' caches ([L, B, S, K,
+  H], lengths [L, B]) and only layer `layer`'s is written."""
   stacked = layer is not None
-  if stacked and (k_cache.ndim != 5 or tuple(lengths.shape) != k_cache.shape[:2]):
-    raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
-                     f"lengths [L, B], got {tuple(k_cache.shape)} and {tuple(lengths.shape)}")
   if stacked:
-    layer = _check_layer(layer, k_cache.shape[0])
+    layer = _check_stack(k_cache, lengths, layer)
   B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
@@ -168,9 +163,10 @@ def attention(q, k_cache, v_cache, lengths, *, layer=None, query_seq_lengths=Non
   Contiguous (`block_tables` None): `jflash.attention` with `implementation`. With
   `layer` (an int, or a traced int scalar), k_cache, v_cache and lengths are a stack of
   layers' caches ([L, B, S, K, H], [L, B]: `KVCache.empty(layers=L)`) and the call
-  attends over layer `layer`'s: the split-KV decode kernel reads it inside the stack,
-  without copying it out; an implementation that cannot (the flash kernels of a
-  prefill) gets the layer as its own array. Paged: k_cache, v_cache are [pages,
+  attends over layer `layer`'s: where the resolved implementation is the split-KV
+  decode kernel ("pallas_decode", first on Hopper for T <= 64) it reads the layer inside
+  the stack, without copying it out; any other (a prefill's flash kernels, or "pallas"
+  first on other GPUs) gets the layer as its own array, a copy. Paged: k_cache, v_cache are [pages,
   page_size, K, H] pages read through `block_tables` [B, max_pages] by the split-KV
   decode kernel (T <= 64; no gradient: its backward raises NotImplementedError).
   """
@@ -199,13 +195,10 @@ def attention(q, k_cache, v_cache, lengths, *, layer=None, query_seq_lengths=Non
 def _layer_attention(q, k_stack, v_stack, lengths, layer, *, query_seq_lengths, scale,
                      is_causal, logits_soft_cap, implementation):
   """`attention` over layer `layer` of a stack of caches (see `attention`)."""
-  if k_stack.ndim != 5 or tuple(lengths.shape) != k_stack.shape[:2]:
-    raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
-                     f"lengths [L, B], got {tuple(k_stack.shape)} and {tuple(lengths.shape)}")
+  layer = _check_stack(k_stack, lengths, layer)
   if v_stack.shape != k_stack.shape:
     raise ValueError(f"v_cache.shape={tuple(v_stack.shape)} must equal "
                      f"k_cache.shape={tuple(k_stack.shape)}")
-  layer = _check_layer(layer, k_stack.shape[0])
   options = dict(scale=scale, is_causal=is_causal, causal_alignment="bottom_right",
                  query_seq_lengths=query_seq_lengths, key_value_seq_lengths=lengths[layer],
                  logits_soft_cap=logits_soft_cap)
@@ -219,15 +212,25 @@ def _layer_attention(q, k_stack, v_stack, lengths, layer, *, query_seq_lengths, 
   return api.reverse_mode_only(_stacked, (q, k_stack, v_stack), layer, masks, impl, cfg)
 
 
-def _check_layer(layer, L: int):
-  """`layer` as an int32 scalar: an int in [0, L), or a traced integer scalar."""
-  if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
-    if not 0 <= layer < L:
-      raise ValueError(f"layer={layer} must be in [0, {L}) (the stack's layers)")
-  elif (getattr(layer, "ndim", None) != 0
-        or not jnp.issubdtype(getattr(layer, "dtype", None), jnp.integer)):
+def _check_stack(k_stack, lengths, layer):
+  """A stack of layers' caches, k [L, B, S, K, H] and lengths [L, B], and `layer` as an
+  int32 scalar: an int or a concrete integer scalar in [0, L) (else ValueError), or a
+  traced one, clamped into [0, L) as `x[layer]` clamps, so that no read or write of
+  the kernels leaves the stack."""
+  if k_stack.ndim != 5 or tuple(lengths.shape) != k_stack.shape[:2]:
+    raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
+                     f"lengths [L, B], got {tuple(k_stack.shape)} and {tuple(lengths.shape)}")
+  L = k_stack.shape[0]
+  integer = (isinstance(layer, (int, np.integer)) or (
+      getattr(layer, "ndim", None) == 0 and jnp.issubdtype(getattr(layer, "dtype", None),
+                                                          jnp.integer)))
+  if isinstance(layer, bool) or not integer:
     raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
-  return jnp.asarray(layer, jnp.int32)
+  if isinstance(layer, jax.core.Tracer):
+    return jnp.clip(layer.astype(jnp.int32), 0, L - 1)
+  if not 0 <= int(layer) < L:
+    raise ValueError(f"layer={int(layer)} must be in [0, {L}) (the stack's layers)")
+  return jnp.asarray(int(layer), jnp.int32)
 
 
 # The stack read in place by the implementation's `forward_stacked`; its backward is
@@ -247,10 +250,8 @@ def _stacked_fwd(q, k_stack, v_stack, layer, masks, impl, cfg):
 
 def _stacked_bwd(impl, cfg, res, dout):
   q, k_stack, v_stack, layer, masks, out, lse = res
-  q, k, v = api.zero_padding(q, k_stack[layer], v_stack[layer], masks)
-  dq, dk, dv = sharding.backward(impl, q, k, v, out, lse, dout, jnp.zeros_like(lse), cfg,
-                                 masks)[:3]
-  dq, dk, dv = api.zero_padding(dq, dk, dv, masks)
+  dq, dk, dv = api.flash_backward(impl, q, k_stack[layer], v_stack[layer], out, lse, dout,
+                                  jnp.zeros_like(lse), cfg, masks)[:3]
   # A select, not a scatter into zeros: the stack's gradient takes the sharding of the
   # layer's (batch and heads), which a scatter into a new array leaves unresolved.
   at_layer = (jnp.arange(k_stack.shape[0]) == layer).reshape(-1, 1, 1, 1, 1)
@@ -281,7 +282,6 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_le
     raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
                      f"k_pages.shape={tuple(k_pages.shape)}")
   info = decode_impl.row_info(masks, B, q.shape[1], capacity)
-  q = api.zero_padding(q, q, q, Masks(q_lengths=masks.q_lengths))[0]
 
   @jax.custom_vjp
   def run(q, k_pages, v_pages):

@@ -347,8 +347,8 @@ class Attention(nnx.Module):
     own (the cache's lengths onwards). With `layer` (an int or traced index), `cache` is
     the stack of every layer's caches (`DecoderLM.init_cache`), whose entry `layer` is
     this layer's, and the stack comes back with that entry written in place
-    (`KVCache.append_layer`); the decode kernel reads it there too
-    (`jflash.kv_cache.attention(layer=...)`)."""
+    (`KVCache.append_layer`); the split-KV decode kernel ("pallas_decode") reads it
+    there too (`jflash.kv_cache.attention(layer=...)`)."""
     q, k, v = self.query(x), self.key(x), self.value(x)
     if self.use_rope:
       if positions is None and self.context_parallel_axis is not None:

@@ -60,15 +60,18 @@ def default_splits(programs: int, S: int, block_k: int, target_programs: int = 5
   (`round_down`; else at least), one wave of four programs per multiprocessor of an
   H100's or H200's 132, since a grid just past a wave leaves a tail of programs
   streaming alone (H100, 8 x 32K GQA: 385 us at 9 splits, 576 programs; 358 us at 8,
-  512 programs). Where a wave would leave each split under `short_tiles` key tiles, the
-  cache is short enough that a split's chain of dependent tile loads, not bandwidth,
-  bounds the step: every tile gets a split of its own (1 x 8K GQA: 48.5 us at 64
-  splits of two tiles, 36 us at 128 of one). Each split writes partials of T x N x H x
-  4 bytes, which the merge reads back."""
+  512 programs). Where a wave would leave each split under `short_tiles` key tiles and
+  one-tile splits fit in two waves, the cache is short enough that a split's chain of
+  dependent tile loads, not bandwidth, bounds the step: every tile gets a split of its
+  own (1 x 8K GQA in one run: 48.5 us at 64 splits of two tiles, 46.6 at 32 of four,
+  36-37 us at 128 of one).
+  The figures: experiments/results/decode_splits_h100/. More than one split writes
+  float32 partials of T x N x H x 4 bytes each, which the merge reads back."""
   tiles = -(-S // block_k)
   want = target_programs // programs if round_down else -(-target_programs // programs)
   splits = max(1, min(want, tiles))
-  return tiles if tiles < short_tiles * splits else splits
+  one_tile_each = tiles < short_tiles * splits and programs * tiles <= 2 * target_programs
+  return tiles if one_tile_each else splits
 
 
 def _decode_kernel(*refs, names, scale, soft_cap, is_causal, block_m, n_m, block_k, chunk, T, S,

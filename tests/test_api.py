@@ -289,3 +289,8 @@ def test_cudnn_refuses_what_it_lacks_on_a_gpu(monkeypatch):
       jflash.attention(q, k, v, implementation="cudnn", **kw)
   with pytest.raises(NotImplementedError, match="float16 or bfloat16, got float32"):
     jflash.attention(*qkv(), implementation="cudnn")
+
+
+def test_an_implementation_reading_stacks_must_keep_padding_out():
+  with pytest.raises(ValueError, match="forward_stacked needs masks_padding"):
+    api.Implementation("stacked", forward_stacked=lambda *a: None)

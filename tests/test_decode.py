@@ -304,8 +304,9 @@ def test_layer_of_a_stack_equals_its_own_cache_bit_for_bit(T):
 
 
 def test_layer_of_a_stack_gradients_equal_its_own_caches():
+  # The stale entries stay NaN: the backward zeroes the padding it reads, and padded
+  # keys get no gradient.
   q, k, v, lengths = _stack_problem(13, T=2)
-  k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
   do = jnp.asarray(np.random.default_rng(14).standard_normal(q.shape), F32)
   i = 1
   stacked = jax.grad(lambda q, k, v: jnp.sum(kv_cache.attention(
@@ -313,9 +314,13 @@ def test_layer_of_a_stack_gradients_equal_its_own_caches():
   own = jax.grad(lambda q, k, v: jnp.sum(kv_cache.attention(
       q, k, v, lengths[i], implementation="pallas_decode") * do), argnums=(0, 1, 2))(q, k[i], v[i])
   np.testing.assert_array_equal(np.asarray(stacked[0]), np.asarray(own[0]))
+  assert np.all(np.isfinite(np.asarray(stacked[0])))
+  past = np.arange(k.shape[2])[None, :] >= np.asarray(lengths[i])[:, None]     # [B, S]
   for d_stack, d_own in zip(stacked[1:], own[1:]):
-    np.testing.assert_array_equal(np.asarray(d_stack[i]), np.asarray(d_own))
-    np.testing.assert_array_equal(np.asarray(jnp.delete(d_stack, i, axis=0)), 0)
+    d = np.asarray(d_stack)
+    np.testing.assert_array_equal(d[i], np.asarray(d_own))
+    assert np.all(np.isfinite(d)) and np.all(d[i][past] == 0)
+    np.testing.assert_array_equal(np.delete(d, i, axis=0), 0)
 
 
 def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
@@ -329,6 +334,13 @@ def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
                                          implementation="pallas_decode"), (q,), (q,))
   with pytest.raises(ValueError, match="layer=3"):
     kv_cache.attention(q, k, v, lengths, layer=3)
+  with pytest.raises(ValueError, match="layer=-1"):
+    kv_cache.attention(q, k, v, lengths, layer=jnp.asarray(-1))
+  # A traced layer outside the stack is clamped into it, never read past it.
+  attend = jax.jit(lambda i: kv_cache.attention(q, k, v, lengths, layer=i,
+                                                implementation="pallas_decode"))
+  last = kv_cache.attention(q, k[2], v[2], lengths[2], implementation="pallas_decode")
+  np.testing.assert_array_equal(np.asarray(attend(7)), np.asarray(last))
   with pytest.raises(ValueError, match="layer must be an int"):
     kv_cache.attention(q, k, v, lengths, layer=1.0)
   with pytest.raises(ValueError, match="stack"):
