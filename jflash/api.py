@@ -507,7 +507,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # -- forward-mode autodiff --------------------------------------------------------------
 # The custom_vjp defines reverse mode only (the recompute backward). JAX's own error for
 # a jvp of a custom_vjp names neither jflash nor the way out, so every differentiable
-# input first passes an identity whose tangent goes through `_reverse_mode_only_p`: a
+# input first passes an identity whose tangent goes through `_no_forward_mode_p`: a
 # linear primitive that transposes to the identity (reverse mode never evaluates it)
 # and raises the error below when forward mode evaluates it (eagerly, or when a jitted
 # jvp is compiled).
@@ -515,29 +515,29 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _forward_mode_error(*_, **__):
   raise NotImplementedError(
       "jflash.attention defines reverse-mode gradients only (jax.grad, jax.vjp) for its "
-      "flash implementations ('xla_chunked', 'pallas', 'hip'); forward-mode autodiff "
+      "flash implementations (every one but 'xla'); forward-mode autodiff "
       "(jax.jvp, jax.jacfwd, jax.linearize, check_grads(modes=['fwd'])) is not "
       "implemented for them: use implementation='xla', which JAX differentiates in "
       "both modes")
 
 
-_reverse_mode_only_p = Primitive("jflash_reverse_mode_only")
-_reverse_mode_only_p.def_impl(_forward_mode_error)
-_reverse_mode_only_p.def_abstract_eval(lambda t: t)
-ad.deflinear2(_reverse_mode_only_p, lambda ct, t: [ct])
-batching.primitive_batchers[_reverse_mode_only_p] = (
-    lambda args, dims: (_reverse_mode_only_p.bind(*args), dims[0]))
-mlir.register_lowering(_reverse_mode_only_p, _forward_mode_error)
+_no_forward_mode_p = Primitive("jflash_no_forward_mode")
+_no_forward_mode_p.def_impl(_forward_mode_error)
+_no_forward_mode_p.def_abstract_eval(lambda t: t)
+ad.deflinear2(_no_forward_mode_p, lambda ct, t: [ct])
+batching.primitive_batchers[_no_forward_mode_p] = (
+    lambda args, dims: (_no_forward_mode_p.bind(*args), dims[0]))
+mlir.register_lowering(_no_forward_mode_p, _forward_mode_error)
 
 
 @jax.custom_jvp
-def _reverse_mode_only(x):
+def _no_forward_mode(x):
   return x
 
 
-@_reverse_mode_only.defjvp
-def _reverse_mode_only_jvp(primals, tangents):
-  return primals[0], _reverse_mode_only_p.bind(tangents[0])
+@_no_forward_mode.defjvp
+def _no_forward_mode_jvp(primals, tangents):
+  return primals[0], _no_forward_mode_p.bind(tangents[0])
 
 
 # What JAX raises when a batched forward-mode tangent (jax.jacfwd under jit) reaches the
@@ -545,21 +545,30 @@ def _reverse_mode_only_jvp(primals, tangents):
 _JAX_FORWARD_MODE_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp"
 
 
-def reverse_mode_only(call: Callable, arrays: tuple, *rest):
+def call_reverse_mode_only(call: Callable, arrays: tuple, *rest):
   """`call(*arrays, *rest)`, a custom_vjp of differentiable `arrays`, with forward-mode
   autodiff turned into jflash's NotImplementedError."""
   try:
-    return call(*(_reverse_mode_only(x) for x in arrays), *rest)
+    return call(*(_no_forward_mode(x) for x in arrays), *rest)
   except TypeError as e:
     if _JAX_FORWARD_MODE_ERROR not in str(e):
       raise
     _forward_mode_error()
 
 
+def nothing_to_attend(query):
+  """(out, lse) of a call with an empty batch, query or key axis: empty arrays, or for S
+  = 0 rows that see no key (zeros, lse -inf), as jax.nn returns; no implementation
+  runs. The output does not depend on the inputs, so their gradients are zeros."""
+  B, T, N, _ = query.shape
+  return (jnp.zeros(query.shape, query.dtype),
+          jnp.full((B, N, T), -jnp.inf, stat_dtype(query.dtype)))
+
+
 def _flash_call(q, k, v, masks, impl, cfg):
   if masks.bias is not None:
-    masks = dataclasses.replace(masks, bias=_reverse_mode_only(masks.bias))
-  return reverse_mode_only(_flash, (q, k, v), masks, impl, cfg)
+    masks = dataclasses.replace(masks, bias=_no_forward_mode(masks.bias))
+  return call_reverse_mode_only(_flash, (q, k, v), masks, impl, cfg)
 
 
 def attention(
@@ -694,11 +703,7 @@ def attention(
   B, T, N, _ = query.shape
   S = key.shape[1]
   if B == 0 or T == 0 or S == 0:
-    # Nothing to attend: empty arrays, or for S = 0 rows that see no key (zeros, lse
-    # -inf), as jax.nn returns; no implementation runs. The output does not depend on
-    # the inputs, so their gradients are zeros.
-    out = jnp.zeros(query.shape, query.dtype)
-    lse = jnp.full((B, N, T), -jnp.inf, stat_dtype(query.dtype))
+    out, lse = nothing_to_attend(query)
     return (out, lse) if return_residuals else out
 
   def check(impl):

@@ -17,8 +17,14 @@ never clamped onto valid entries.
 causal alignment, `jflash.attention(causal_alignment="bottom_right")`), so with the new
 keys appended first it computes exactly the rows of full causal attention over the
 concatenated sequence. The contiguous cache goes through `jflash.attention` (any
-implementation, differentiable); the paged one through the split-KV decode kernel
-(pallas_kernels/decode.py), forward only.
+implementation, differentiable), or, for a layer of a stack of caches, through the
+split-KV decode kernel's read of the stack where that kernel runs; the paged one
+through the split-KV decode kernel (pallas_kernels/decode.py), forward only.
+
+`layer` (a stack of layers' caches) is an int in [0, L), or a traced integer scalar
+taken as JAX indexing takes one: negative counts from the end, and past the stack the
+read is clamped (as `x[layer]` is) and `append`'s write is dropped (as
+`x.at[layer].set` is).
 """
 from __future__ import annotations
 
@@ -89,15 +95,15 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=N
   """Writes row b's first new_lengths[b] (default T) new keys/values at positions
   lengths[b] .. of a contiguous cache; returns (k_cache, v_cache, lengths +
   new_lengths). Positions at or past S are dropped (the caller sizes the cache).
-  With `layer` (`_check_layer`), the cache is a stack of layers' caches ([L, B, S, K,
-  H], lengths [L, B]) and only layer `layer`'s is written."""
+  With `layer` (module docstring), the cache is a stack of layers' caches ([L, B, S,
+  K, H], lengths [L, B]) and only layer `layer`'s is written."""
   stacked = layer is not None
   if stacked:
-    layer = _check_stack(k_cache, lengths, layer)
-  B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
-  if v_cache.shape != k_cache.shape:
+    layer = _check_stack(k_cache, v_cache, lengths, layer)
+  elif v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
                      f"k_cache.shape={tuple(k_cache.shape)}")
+  B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   _check_new(k_new, v_new, B, K, H, "cache")
   T = k_new.shape[1]
   if T > S:
@@ -161,7 +167,7 @@ def attention(q, k_cache, v_cache, lengths, *, layer=None, query_seq_lengths=Non
   default T).
 
   Contiguous (`block_tables` None): `jflash.attention` with `implementation`. With
-  `layer` (an int, or a traced int scalar), k_cache, v_cache and lengths are a stack of
+  `layer` (module docstring), k_cache, v_cache and lengths are a stack of
   layers' caches ([L, B, S, K, H], [L, B]: `KVCache.empty(layers=L)`) and the call
   attends over layer `layer`'s: where the resolved implementation is the split-KV
   decode kernel ("pallas_decode", first on Hopper for T <= 64) it reads the layer inside
@@ -195,31 +201,35 @@ def attention(q, k_cache, v_cache, lengths, *, layer=None, query_seq_lengths=Non
 def _layer_attention(q, k_stack, v_stack, lengths, layer, *, query_seq_lengths, scale,
                      is_causal, logits_soft_cap, implementation):
   """`attention` over layer `layer` of a stack of caches (see `attention`)."""
-  layer = _check_stack(k_stack, lengths, layer)
-  if v_stack.shape != k_stack.shape:
-    raise ValueError(f"v_cache.shape={tuple(v_stack.shape)} must equal "
-                     f"k_cache.shape={tuple(k_stack.shape)}")
+  layer = _check_stack(k_stack, v_stack, lengths, layer)
+  L = k_stack.shape[0]
+  # The read of a traced layer, as `x[layer]` reads: negative from the end, clamped,
+  # so the kernel's block of the whole stack is never left.
+  layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
   options = dict(scale=scale, is_causal=is_causal, causal_alignment="bottom_right",
                  query_seq_lengths=query_seq_lengths, key_value_seq_lengths=lengths[layer],
                  logits_soft_cap=logits_soft_cap)
-  view = jax.ShapeDtypeStruct(k_stack.shape[1:], k_stack.dtype)     # the layer's shape
-  cfg, masks = api.prepare(q, view, view, implementation=implementation, **options)
+  # The layer's shapes and dtypes, for the checks (nothing is materialised).
+  k_view, v_view = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_stack, v_stack))
+  cfg, masks = api.prepare(q, k_view, v_view, implementation=implementation, **options)
   impl = api.resolve_implementation(
-      implementation, lambda impl: impl.supports(q, view, view, cfg, masks))
-  if impl.forward_stacked is None or 0 in (*q.shape[:2], view.shape[1]):
+      implementation, lambda impl: impl.supports(q, k_view, v_view, cfg, masks))
+  if impl.forward_stacked is None or 0 in (*q.shape[:2], k_view.shape[1]):
     return api.attention(q, k_stack[layer], v_stack[layer], implementation=impl.name,
                          **options)
-  return api.reverse_mode_only(_stacked, (q, k_stack, v_stack), layer, masks, impl, cfg)
+  return api.call_reverse_mode_only(_stacked, (q, k_stack, v_stack), layer, masks, impl, cfg)
 
 
-def _check_stack(k_stack, lengths, layer):
-  """A stack of layers' caches, k [L, B, S, K, H] and lengths [L, B], and `layer` as an
-  int32 scalar: an int or a concrete integer scalar in [0, L) (else ValueError), or a
-  traced one, clamped into [0, L) as `x[layer]` clamps, so that no read or write of
-  the kernels leaves the stack."""
+def _check_stack(k_stack, v_stack, lengths, layer):
+  """A stack of layers' caches, k and v [L, B, S, K, H] and lengths [L, B], and `layer`
+  as an int32 scalar: an int or a concrete integer scalar in [0, L) (else ValueError),
+  or a traced one, as it is (module docstring)."""
   if k_stack.ndim != 5 or tuple(lengths.shape) != k_stack.shape[:2]:
     raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
                      f"lengths [L, B], got {tuple(k_stack.shape)} and {tuple(lengths.shape)}")
+  if v_stack.shape != k_stack.shape:
+    raise ValueError(f"v_cache.shape={tuple(v_stack.shape)} must equal "
+                     f"k_cache.shape={tuple(k_stack.shape)}")
   L = k_stack.shape[0]
   integer = (isinstance(layer, (int, np.integer)) or (
       getattr(layer, "ndim", None) == 0 and jnp.issubdtype(getattr(layer, "dtype", None),
@@ -227,7 +237,7 @@ def _check_stack(k_stack, lengths, layer):
   if isinstance(layer, bool) or not integer:
     raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
   if isinstance(layer, jax.core.Tracer):
-    return jnp.clip(layer.astype(jnp.int32), 0, L - 1)
+    return layer.astype(jnp.int32)
   if not 0 <= int(layer) < L:
     raise ValueError(f"layer={int(layer)} must be in [0, {L}) (the stack's layers)")
   return jnp.asarray(int(layer), jnp.int32)
@@ -238,12 +248,12 @@ def _check_stack(k_stack, lengths, layer):
 # gradient of the stack being zero outside that layer.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _stacked(q, k_stack, v_stack, layer, masks, impl, cfg):
-  return sharding.forward_stacked(impl.forward_stacked, q, k_stack, v_stack, layer, cfg,
+  return sharding.forward_stacked(impl, q, k_stack, v_stack, layer, cfg,
                                   masks)[0]
 
 
 def _stacked_fwd(q, k_stack, v_stack, layer, masks, impl, cfg):
-  out, lse = sharding.forward_stacked(impl.forward_stacked, q, k_stack, v_stack, layer, cfg,
+  out, lse = sharding.forward_stacked(impl, q, k_stack, v_stack, layer, cfg,
                                       masks)
   return out, (q, k_stack, v_stack, layer, masks, out, lse)
 
@@ -273,14 +283,17 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_le
   capacity = max_pages * page_size
   # The one validation of the query side: prepare checks q against a stand-in key of
   # the cache's logical shape (nothing is materialised: only shapes are read).
-  k_view = jax.ShapeDtypeStruct((B, capacity, K, H), k_pages.dtype)
-  cfg, masks = api.prepare(q, k_view, k_view, scale=scale, is_causal=is_causal,
+  k_view, v_view = (jax.ShapeDtypeStruct((B, capacity, K, H), x.dtype)
+                    for x in (k_pages, v_pages))
+  cfg, masks = api.prepare(q, k_view, v_view, scale=scale, is_causal=is_causal,
                            causal_alignment="bottom_right", query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=lengths, logits_soft_cap=logits_soft_cap)
-  decode_impl.supports(q, k_view, k_view, cfg, masks)
+  decode_impl.supports(q, k_view, v_view, cfg, masks)
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
                      f"k_pages.shape={tuple(k_pages.shape)}")
+  if 0 in (B, q.shape[1], capacity):
+    return api.nothing_to_attend(q)[0]
   info = decode_impl.row_info(masks, B, q.shape[1], capacity)
 
   @jax.custom_vjp

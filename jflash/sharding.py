@@ -290,11 +290,11 @@ def forward(impl, q, k, v, cfg, masks: Masks):
   return _run(call, (q, k, v, masks), masks, (_Q, _LSE))
 
 
-def forward_stacked(forward, q, k_stack, v_stack, layer, cfg, masks: Masks):
-  """`forward(q, k_stack, v_stack, layer, cfg, masks)` over layer `layer` (an int32
-  scalar) of a stack of KV caches [L, B, S, K, H], each device on its batch and head
-  shard of the stack (the layer axis stays whole)."""
-  call = lambda q, k, v, layer, masks: forward(q, k, v, layer, cfg, masks)
+def forward_stacked(impl, q, k_stack, v_stack, layer, cfg, masks: Masks):
+  """`impl.forward_stacked(q, k_stack, v_stack, layer, cfg, masks)` over layer `layer`
+  (an int32 scalar) of a stack of KV caches [L, B, S, K, H], each device on its batch
+  and head shard of the stack (the layer axis stays whole)."""
+  call = lambda q, k, v, layer, masks: impl.forward_stacked(q, k, v, layer, cfg, masks)
   return _run(call, (q, k_stack, v_stack, layer, masks), masks, (_Q, _LSE),
               roles=(_Q, _KV_STACK, _KV_STACK, ""))
 

@@ -8,7 +8,8 @@ K/V again. Here (Dao et al., "Flash-Decoding for long-context inference", 2023):
   * one program owns all T x G query rows of a GQA group (a [T * G, H] tile, row
     t * G + g), so each K/V byte is read once per program;
   * the key range is split over `num_splits` programs, each writing a partial (out, lse)
-    in float32; `merge_splits` combines them (out = sum_s exp(lse_s - lse) out_s).
+    in float32; `merge_splits` combines them (out = sum_s exp(lse_s - lse) out_s). With
+    one split the program's rows are the result, written in q's dtype (no merge).
 Each program reads one row of a small table: (q_len, kv_len, query offset, cache row) of
 its batch row (pallas_kernels.masking's `query_offsets`: bottom-right alignment puts query
 t at position t + kv_len - q_len). Programs stop at the row's last visible key (kv_len, and the
@@ -43,12 +44,19 @@ MAX_BLOCK_M = 64
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
   """Tiles of the decode kernel: `block_k` keys per step, `num_splits` programs per
-  (batch row, key head) along the keys (None: `default_splits`)."""
+  (batch row, key head) along the keys (None: `default_splits`). The key range is cut
+  into `num_splits` chunks of whole tiles, so a count that does not divide the tiles
+  runs as the fewer chunks their rounding leaves (9 splits of 64 tiles: 8 of 8)."""
 
   block_k: int = 64
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 3
+
+  def __post_init__(self):
+    if self.num_splits is not None and (not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"num_splits={self.num_splits!r} must be None or an int >= 1")
 
 
 def default_splits(programs: int, S: int, block_k: int, target_programs: int = 528,
@@ -66,7 +74,10 @@ def default_splits(programs: int, S: int, block_k: int, target_programs: int = 5
   own (1 x 8K GQA in one run: 48.5 us at 64 splits of two tiles, 46.6 at 32 of four,
   36-37 us at 128 of one).
   The figures: experiments/results/decode_splits_h100/. More than one split writes
-  float32 partials of T x N x H x 4 bytes each, which the merge reads back."""
+  float32 partials of T x N x H x 4 bytes each, which the merge reads back. At least 1
+  (an empty grid or key range has nothing to split)."""
+  if programs < 1 or S < 1:
+    return 1
   tiles = -(-S // block_k)
   want = target_programs // programs if round_down else -(-target_programs // programs)
   splits = max(1, min(want, tiles))

@@ -273,6 +273,12 @@ def test_append_to_one_layer_of_a_stack_leaves_the_others():
     kv_cache.append(k, k, lengths[:2], new, new, layer=0)
   with pytest.raises(ValueError, match="layer=3"):
     kv_cache.append(k, k, lengths, new, new, layer=3)
+  # A traced layer is written as x.at[i].set writes: negative from the end, and past
+  # the stack dropped (no layer changes).
+  step = jax.jit(lambda i: kv_cache.append(k, k + 1, lengths, new, new + 1, n, layer=i))
+  for i, want in ((-2, got), (3, kv_cache.KVCache(k, k + 1, lengths))):
+    for a, b in zip(step(i), (want.k, want.v, want.lengths)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"layer {i}")
 
 
 def _stack_problem(seed, L=3, B=3, S=48, K=2, H=16, T=1, N=4):
@@ -336,11 +342,17 @@ def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
     kv_cache.attention(q, k, v, lengths, layer=3)
   with pytest.raises(ValueError, match="layer=-1"):
     kv_cache.attention(q, k, v, lengths, layer=jnp.asarray(-1))
-  # A traced layer outside the stack is clamped into it, never read past it.
+  # A traced layer is read as x[i] reads: negative from the end, clamped into the stack
+  # (never read past it).
   attend = jax.jit(lambda i: kv_cache.attention(q, k, v, lengths, layer=i,
                                                 implementation="pallas_decode"))
-  last = kv_cache.attention(q, k[2], v[2], lengths[2], implementation="pallas_decode")
-  np.testing.assert_array_equal(np.asarray(attend(7)), np.asarray(last))
+  for i, want in ((7, 2), (-1, 2), (-7, 0)):
+    own = kv_cache.attention(q, k[want], v[want], lengths[want], implementation="pallas_decode")
+    np.testing.assert_array_equal(np.asarray(attend(i)), np.asarray(own), err_msg=f"layer {i}")
+  with pytest.raises(ValueError, match="share one dtype"):
+    kv_cache.attention(q, k, v.astype(jnp.bfloat16), lengths, layer=0)
+  with pytest.raises(ValueError, match="v_cache.shape"):
+    kv_cache.attention(q, k, v[:2], lengths, layer=0)
   with pytest.raises(ValueError, match="layer must be an int"):
     kv_cache.attention(q, k, v, lengths, layer=1.0)
   with pytest.raises(ValueError, match="stack"):
@@ -348,6 +360,34 @@ def test_layer_of_a_stack_for_other_implementations_and_bad_layers():
   with pytest.raises(NotImplementedError, match="paged"):
     kv_cache.attention(q, k[0], v[0], lengths[0], layer=0,
                        block_tables=jnp.zeros((3, 1), jnp.int32))
+
+
+def test_paged_checks_and_an_empty_table():
+  B, N, K, H, ps = 2, 4, 2, 16, 16
+  q = jnp.ones((B, 1, N, H), F32)
+  pages = jnp.ones((3, ps, K, H), F32)
+  tables = jnp.zeros((B, 2), jnp.int32)
+  lengths = jnp.asarray([5, 20], jnp.int32)
+  with pytest.raises(ValueError, match="share one dtype"):
+    kv_cache.attention(q, pages, pages.astype(jnp.bfloat16), lengths, block_tables=tables)
+  # No pages to read: every row sees no key, so zeros (as a cache of S = 0).
+  got = kv_cache.attention(q, pages, pages, jnp.zeros((B,), jnp.int32),
+                           block_tables=jnp.zeros((B, 0), jnp.int32))
+  np.testing.assert_array_equal(np.asarray(got), np.zeros(q.shape))
+
+
+def test_default_splits():
+  # (programs = batch rows x key heads x row blocks, S, block_k): the decode preset's
+  # cells. One wave of 528 programs: 8 x 32K GQA (64 programs) 8 splits; 64 x 4K (512
+  # programs) one; 1 x 8K (8 programs) one tile per split, a wave leaving splits of
+  # under 4 tiles; 1 x 128K 66 splits of 32 tiles.
+  assert dk.default_splits(64, 32768, 64) == 8
+  assert dk.default_splits(512, 4096, 64) == 1
+  assert dk.default_splits(8, 8192, 64) == 128
+  assert dk.default_splits(8, 131072, 64) == 66
+  assert dk.default_splits(8, 131072, 64, round_down=False) == 66
+  assert dk.default_splits(60, 32768, 64, round_down=False) == 9
+  assert dk.default_splits(0, 4096, 64) == dk.default_splits(8, 0, 64) == 1
 
 
 def test_append_of_more_keys_than_the_cache_holds_raises():
