@@ -81,6 +81,13 @@ def _new_lengths(new_lengths, B, T):
   return api.check_lengths("new_lengths", new_lengths, B, T)
 
 
+def _check_pair(k, v, what):
+  """K and V of one cache (`what`: "cache" or "pages") have one shape."""
+  if v.shape != k.shape:
+    raise ValueError(f"v_{what}.shape={tuple(v.shape)} must equal "
+                     f"k_{what}.shape={tuple(k.shape)}")
+
+
 def _check_new(k_new, v_new, B, K, H, where):
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (K, H):
@@ -100,9 +107,8 @@ def append(k_cache, v_cache, lengths, k_new, v_new, new_lengths=None, *, layer=N
   stacked = layer is not None
   if stacked:
     layer = _check_stack(k_cache, v_cache, lengths, layer)
-  elif v_cache.shape != k_cache.shape:
-    raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal "
-                     f"k_cache.shape={tuple(k_cache.shape)}")
+  else:
+    _check_pair(k_cache, v_cache, "cache")
   B, S, K, H = k_cache.shape[1:] if stacked else k_cache.shape
   _check_new(k_new, v_new, B, K, H, "cache")
   T = k_new.shape[1]
@@ -126,9 +132,7 @@ def append_paged(k_pages, v_pages, block_tables, lengths, k_new, v_new, new_leng
   + t) // page_size]. Returns (k_pages, v_pages, lengths + new_lengths); positions past
   the row's table are dropped."""
   P, page_size, K, H = k_pages.shape
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
-                     f"k_pages.shape={tuple(k_pages.shape)}")
+  _check_pair(k_pages, v_pages, "pages")
   B, max_pages = _check_table(block_tables)
   _check_new(k_new, v_new, B, K, H, "pages")
   T = k_new.shape[1]
@@ -227,9 +231,7 @@ def _check_stack(k_stack, v_stack, lengths, layer):
   if k_stack.ndim != 5 or tuple(lengths.shape) != k_stack.shape[:2]:
     raise ValueError(f"with layer, the cache is a stack: k_cache [L, B, S, K, H] and "
                      f"lengths [L, B], got {tuple(k_stack.shape)} and {tuple(lengths.shape)}")
-  if v_stack.shape != k_stack.shape:
-    raise ValueError(f"v_cache.shape={tuple(v_stack.shape)} must equal "
-                     f"k_cache.shape={tuple(k_stack.shape)}")
+  _check_pair(k_stack, v_stack, "cache")
   L = k_stack.shape[0]
   integer = (isinstance(layer, (int, np.integer)) or (
       getattr(layer, "ndim", None) == 0 and jnp.issubdtype(getattr(layer, "dtype", None),
@@ -289,9 +291,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, query_seq_le
                            causal_alignment="bottom_right", query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=lengths, logits_soft_cap=logits_soft_cap)
   decode_impl.supports(q, k_view, v_view, cfg, masks)
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={tuple(v_pages.shape)} must equal "
-                     f"k_pages.shape={tuple(k_pages.shape)}")
+  _check_pair(k_pages, v_pages, "pages")
   if 0 in (B, q.shape[1], capacity):
     return api.nothing_to_attend(q)[0]
   info = decode_impl.row_info(masks, B, q.shape[1], capacity)
