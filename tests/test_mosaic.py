@@ -401,16 +401,23 @@ def test_default_forward_lowers_with_every_mask_path(H, dtype):
   assert "wgmma" in kernel_modules(_lowered(H, opts, _segments_and_lengths, dtype=dtype))[0]
 
 
-@pytest.mark.parametrize("T, S, padded", [(1000, 3000, False), (200, 330, True),
-                                          (131, 3000, True)])
-def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(T, S, padded):
+@pytest.mark.parametrize("H, T, S, padded", [(128, 1000, 3000, False), (128, 200, 330, True),
+                                             (128, 131, 3000, True), (64, 197, 577, False),
+                                             (32, 131, 3001, False)])
+def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(H, T, S, padded):
   """Lengths that are multiples of TMA_ROWS reach the kernel as they are (the copy
-  engine zero-fills and drops the rows past the end of a tile); others are padded. (The
-  [B, T, N, H] operands: the per-consumer tile-range table, a few int32 per block, is
-  padded to whole programs either way.)"""
-  text = _lowered(128, MaskOptions(is_causal=True), T=T, S=S)
+  engine zero-fills and drops the rows past the end of a tile); others are padded,
+  except where a row is one swizzle row (head dims up to 64) and the copies move plain
+  rows: there every length reaches the kernel as it is. (The [B, T, N, H] operands: the
+  per-consumer tile-range table, a few int32 per block, is padded to whole programs
+  either way.)"""
+  text = _lowered(H, MaskOptions(is_causal=True), T=T, S=S)
   operand_pads = re.findall(r"stablehlo\.pad.*-> tensor<\d+x\d+x\d+x\d+x(?:bf16|f16)>", text)
   assert bool(operand_pads) == padded, operand_pads
+  # Unpadded, the output leaves at T rows: no slice copies it (lse, [B, N, T] float32,
+  # is cut either way).
+  out_cut = re.search(rf"stablehlo\.slice.*-> tensor<2x{T}x4x{H}x(?:bf16|f16)>", text)
+  assert bool(out_cut) == (padded and T % common.TMA_ROWS != 0)
 
 
 def test_outputs_leave_the_kernel_through_an_optimization_barrier():
@@ -466,6 +473,22 @@ def test_pipeline_mqa_causal_off_tile(variant, H):
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               config=config, interpret=INTERPRET)
   check_forward(q, k, v, out, lse, is_causal=True, scale=0.125)
+
+
+@pytest.mark.parametrize("H, causal, variant", [
+    (64, False, {}), (64, True, dict(THREE, block_q=64, block_k=128)),
+    (32, False, dict(persistent=True))])
+def test_tails_off_the_tiling(H, causal, variant):
+  """T = 197 and S = 203, off multiples of 8, rows of one swizzle row (head dims up to
+  64): compiled, the copies move plain rows over tensor maps of T and S rows, zeros past
+  the end on load and nothing stored past T (no padded copy, `map_rows`); interpreted,
+  the tails are padded to whole tiles. GQA 4/2, two batches."""
+  q, k, v = random_qkv((2, 197, 203, 4, 2, H), jnp.bfloat16, seed=3)[:3]
+  config = dataclasses.replace(heuristics.default_config(H, causal, 197), **variant)
+  out, lse = mf.flash_forward(q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal),
+                              config=config, interpret=INTERPRET)
+  assert out.shape == q.shape and lse.shape == (2, 4, 197)
+  check_forward(q, k, v, out, lse, is_causal=causal, scale=H ** -0.5)
 
 
 @pytest.mark.parametrize("causal, variant", [(False, {}), (True, {}), (True, THREE),

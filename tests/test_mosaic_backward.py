@@ -12,6 +12,7 @@ jflash.attention, with every structured mask, is tests/test_mosaic.py's shared b
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,26 @@ def test_gqa_causal_with_tails_at_the_default(H):
   got = _run(q, k, v, do, config)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
   check_grads(got, q, k, v, do, is_causal=True)
+
+
+@pytest.mark.parametrize("H, causal, K", [(64, True, 2), (64, False, 4), (32, False, 2)])
+def test_tails_off_the_tiling(H, causal, K):
+  """T = 197 and S = 203, off multiples of 8, at head dims whose rows are one swizzle
+  row: compiled, both kernels' copies move plain rows over tensor maps of T and S rows
+  (no padded copy of Q, K, V or dO, no cut of the gradients); interpreted, padded to
+  whole tiles. The defaults' call config (persistent grids at d = 64 where they apply)."""
+  q, k, v, do = random_qkv((2, 197, 203, 4, K, H), jnp.bfloat16, seed=5)
+  config = _call_config(H, 197, 203, 4, K, causal=causal)
+  got = _run(q, k, v, do, config, causal=causal)
+  assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
+  check_grads(got, q, k, v, do, is_causal=causal)
+
+
+@pytest.mark.parametrize("H, padded", [(64, False), (128, True)])
+def test_tails_are_padded_in_hbm_only_where_rows_are_not_swizzle_rows(H, padded):
+  text = _lowered(H, MaskOptions(is_causal=True), T=197, S=203)
+  operand_pads = re.findall(r"stablehlo\.pad.*-> tensor<\d+x\d+x\d+x\d+x(?:bf16|f16)>", text)
+  assert bool(operand_pads) == padded, operand_pads
 
 
 def _watch_races(monkeypatch):

@@ -56,7 +56,8 @@ from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
 from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, import_plgpu, map_rows,
-                                              pad_axis, smem_layout)
+                                              pad_axis, rows_are_swizzle_rows, smem_layout,
+                                              tile_smem)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, by_role, check_backward,
                                                dkv_keys, dq_consumers_of, stream_slots)
 from pallas_kernels.mosaic_gpu.dkv import dkv_kernel
@@ -73,7 +74,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   output cotangent dout and optionally the lse cotangent dlse [B, N, T]. Same contract
   as pallas_kernels.backward.flash_backward for the structured masks (no dense mask,
   bias or dropout). Tails are read and written in place as in the forward (`map_rows`:
-  only lengths off the tensor maps' 8-row tiling are padded in HBM, and everything
+  only lengths off the tensor maps' 8-row tiling are padded in HBM, and those only
+  where a row is more than one swizzle row (head dims above 64), and everything
   under the interpreter); the per-row statistics and segment ids, read by plain loads,
   are padded to whole tiles.
   `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`; default:
@@ -89,6 +91,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   S, K = k.shape[1], k.shape[2]
   group = N // K
   lse2, delta = backward_statistics(lse, out, dout, dlse)      # [B, N, T] float32
+  # Q, K, V, dO and the gradients move as plain rows where a row is one swizzle row
+  # (`tile_smem`), over tensor maps of T and S rows; Mosaic GPU's interpreter has no
+  # views of one buffer (and pads to whole tiles).
+  rows_view = rows_are_swizzle_rows(H, q.dtype.itemsize) and not interpret
 
   def padded(bq, bk):
     """(Tp, Sp: whole tiles of the grid, T_map, S_map: the rows of the operands the tensor
@@ -97,7 +103,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     S are masked in the last key tile (never FULL) by the key length; gradient rows past
     T or S are not stored."""
     Tp, Sp = round_up(T, bq), round_up(S, bk)
-    T_map, S_map = map_rows(T, bq, interpret), map_rows(S, bk, interpret)
+    T_map, S_map = map_rows(T, bq, interpret, rows_view), map_rows(S, bk, interpret, rows_view)
     x = dict(q=pad_axis(q, T_map, 1), k=pad_axis(k, S_map, 1), v=pad_axis(v, S_map, 1),
              do=pad_axis(dout, T_map, 1), lse2=pad_axis(lse2, Tp, 2, jnp.inf),
              delta=pad_axis(delta, Tp, 2))
@@ -131,9 +137,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     (s1, s2), stream_rows = streamed
     per_consumer = (fixed_rows, H) if C == 1 or shared_fixed else (C, fixed_rows, H)
     slots = stream_slots(C, stages)
-    smem = lambda shape: plgpu.SMEM(shape, q.dtype, **swizzled)
-    scratch = {f1: smem(per_consumer), f2: smem(per_consumer),
-               s1: smem((slots, stream_rows, H)), s2: smem((slots, stream_rows, H)),
+    tiles = lambda shape: tile_smem(shape, q.dtype, rows_view)   # moved by bulk copies
+    scratch = {f1: tiles(per_consumer), f2: tiles(per_consumer),
+               s1: tiles((slots, stream_rows, H)), s2: tiles((slots, stream_rows, H)),
                "fixed_loaded": plgpu.Barrier(num_barriers=2 if shared_fixed else 2 * C),
                "loaded": plgpu.Barrier(num_barriers=(4 if stats else 2) * slots)}
     if stats:
@@ -144,7 +150,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       scratch["consumed"] = plgpu.Barrier(num_arrivals=C, num_barriers=slots)
       threads = dict(num_threads=C + 1, thread_name="wg")
     if shared_fixed:    # the tiles `_dkv_by_role`'s consumers pass each other
-      scratch["p_smem"] = smem((2, fixed_rows, stream_rows))
+      scratch["p_smem"] = plgpu.SMEM((2, fixed_rows, stream_rows), q.dtype, **swizzled)
       scratch["p_ready"] = plgpu.Barrier(num_barriers=2)
       scratch["p_free"] = plgpu.Barrier(num_barriers=2)
       scratch["dp_smem"] = plgpu.SMEM((fixed_rows, stream_rows), jnp.float32,
@@ -161,7 +167,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     args = [x[n] for n in in_names if n != "ranges"]
     args.insert(in_names.index("ranges"), ranges)
     body = functools.partial(kernel, opts=opts, scale=scale, group=group,
-                             interpret=interpret, consumers=C, stages=slots)
+                             interpret=interpret, consumers=C, stages=slots,
+                             rows_view=rows_view)
     return plgpu.kernel(
         functools.partial(body, names=[*in_names, *out_names, *scratch]),
         out_type=out_types, scratch_types=list(scratch.values()), grid=grid,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -137,13 +138,64 @@ def smem_layout(cols: int, itemsize: int) -> dict:
                           plgpu.SwizzleTransform(swizzle)))
 
 
-def map_rows(n: int, tile: int, interpret: bool) -> int:
+def rows_are_swizzle_rows(cols: int, itemsize: int) -> bool:
+  """Whether a row of `cols` elements is exactly one swizzle row (head dims 16, 32 and 64
+  at 2 bytes): then a tile's 8-row atoms (`smem_layout`) hold its rows one after another,
+  the same bytes as the rows untiled under the same swizzle, and the bulk copies can move
+  the tile as plain rows (`tile_smem`), over a tensor map of any row count."""
+  return cols * itemsize == swizzle_bytes(cols, itemsize)
+
+
+def tile_smem(shape, dtype, rows_view: bool):
+  """Shared memory for tiles of `shape`: tiled and swizzled (`smem_layout`), as the
+  matrix products read them; with `rows_view` (`rows_are_swizzle_rows`) also as plain
+  swizzled rows over the same bytes (a union of the two views, both at its start), which
+  the bulk copies use (`Tiles`)."""
+  plgpu = import_plgpu()
+  itemsize = jnp.dtype(dtype).itemsize
+  tiled = plgpu.SMEM(shape, dtype, **smem_layout(shape[-1], itemsize))
+  if not rows_view:
+    return tiled
+  swizzle = swizzle_bytes(shape[-1], itemsize)
+  rows = plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(swizzle),))
+  return plgpu.RefUnion(tiled, rows)
+
+
+class Tiles(NamedTuple):
+  """A shared-memory tile buffer as the kernels use it: `mma`, the view the matrix
+  products read and registers are stored to, and `copy`, the view the bulk copies move
+  (`tile_smem`'s rows view, or the same ref where it has none). `tiles.at[i]` indexes
+  both, as a ref's `.at[i]` does."""
+  mma: Any
+  copy: Any
+
+  @classmethod
+  def of(cls, ref, rows_view: bool = False) -> "Tiles":
+    return cls(*ref) if rows_view else cls(ref, ref)
+
+  @property
+  def at(self):
+    return _TilesAt(self)
+
+
+class _TilesAt(NamedTuple):
+  tiles: Tiles
+
+  def __getitem__(self, i) -> Tiles:
+    return Tiles(self.tiles.mma.at[i], self.tiles.copy.at[i])
+
+
+def map_rows(n: int, tile: int, interpret: bool, rows_view: bool = False) -> int:
   """The rows an operand of n rows is padded to in HBM before the kernel's tensor maps
-  are built over it: the next multiple of TMA_ROWS, for the copy engine bounds the
-  copies past it (a box's rows past the end load as zeros and are not stored; CUDA
-  programming guide, tensor memory access), or, under Mosaic GPU's interpreter, which
-  does not model those bounds (and hangs on such a copy), whole tiles of `tile` rows."""
-  return round_up(n, tile) if interpret else round_up(n, TMA_ROWS)
+  are built over it. The copy engine bounds a copy per axis (a box's rows past the end
+  load as zeros and are not stored; CUDA programming guide, tensor memory access), so a
+  map over n rows serves any n where the copies move plain rows (`rows_view`); a map over
+  tiled rows Mosaic GPU builds over whole atoms, so there n is padded to the next
+  multiple of TMA_ROWS. Mosaic GPU's interpreter does not model the bounds (it hangs on
+  such a copy): there n is padded to whole tiles of `tile` rows."""
+  if interpret:
+    return round_up(n, tile)
+  return n if rows_view else round_up(n, TMA_ROWS)
 
 
 def pad_axis(x, n: int, axis: int, fill=0):

@@ -22,9 +22,10 @@ from pallas_kernels.masking import MaskOptions, structured_keep, visit_tiles
 from pallas_kernels.mosaic_gpu.common import (ROWS, import_plgpu, layouts, load_vector,
                                               tile_ds, tile_p, tile_row)
 from pallas_kernels.mosaic_gpu.configs import by_role
-from pallas_kernels.mosaic_gpu.pipeline import (Pipeline, Products, load_fixed, load_tile,
-                                                producer_and_consumers, run_persistent,
-                                                store_outputs, store_tile, warp_specialised)
+from pallas_kernels.mosaic_gpu.pipeline import (Pipeline, Products, kernel_refs, load_fixed,
+                                                load_tile, producer_and_consumers,
+                                                run_persistent, store_outputs, store_tile,
+                                                warp_specialised)
 from pallas_kernels.mosaic_gpu.scheduler import count_after, counted_from, item_coords
 
 
@@ -78,7 +79,7 @@ def _produce_query_tiles(pipe, ranges, b, j, own, base=None):
 
 
 def dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
-                stages, group_splits=1, persistent=None, stats_streamed=False,
+                stages, rows_view, group_splits=1, persistent=None, stats_streamed=False,
                 p_under_dp=False):
   """dK, dV of 2 x 64 keys of one key head, summed over the group's heads (or the
   program's share of them, `group_splits`) and the visited query tiles (S^T = K Q^T, so
@@ -86,10 +87,10 @@ def dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, con
   warpgroup streams the query tiles both read (`Pipeline`). `persistent` (a
   `PersistentGrid`): each program loops over work items (key tile, key head, split,
   batch) of the grid it stands for; `stats_streamed`: as `BackwardConfig`'s,
-  `p_under_dp` as its `dkv_p_under_dp`."""
-  r = dict(zip(names, refs))
+  `p_under_dp` as its `dkv_p_under_dp`; `rows_view`: the tile buffers' (`kernel_refs`)."""
+  r = kernel_refs(names, refs, rows_view)
   bk = ROWS
-  H = r["q_smem"].shape[-1]
+  H = r["q_smem"].mma.shape[-1]
   mm = Products(interpret, r.get("acc"))
   _, key_layout, _ = layouts(interpret, (bk, bq))
   own = group // group_splits       # query heads per program
@@ -169,7 +170,7 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     return lax.broadcast_in_dim(
         load_vector(r["kv_seg"].at[b, keys], key_layout, interpret), (bk, bq), [0])
 
-  def consume(wg, k_smem, v_smem, fixed_loaded, key0, tiles, count=None):
+  def consume(wg, k_tiles, v_tiles, fixed_loaded, key0, tiles, count=None):
     """dK, dV of keys [key0, key0 + 64). `tiles` = (start(lo), before(t, i, g, lo, hi),
     acquire(t), release(t)) hand over the query tiles in loop order (t counts them,
     from `count` on in a persistent program); start and before are None when a
@@ -177,8 +178,9 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     start, before, acquire, release = tiles
     counted = counted_from(count)
     keys = pl.ds(key0, bk)
-    load_fixed([(r["k"].at[b, keys, kv_head], k_smem, fixed_loaded[0]),
-                 (r["v"].at[b, keys, kv_head], v_smem, fixed_loaded[1])])
+    load_fixed([(r["k"].at[b, keys, kv_head], k_tiles, fixed_loaded[0]),
+                 (r["v"].at[b, keys, kv_head], v_tiles, fixed_loaded[1])])
+    k_smem, v_smem = k_tiles.mma, v_tiles.mma
     lo, full_lo, full_hi, hi = tile_row(ranges, b, j)
     kv_seg = key_segments(keys)
     tile = dict(bq=bq, key0=key0, opts=opts, kv_len=ranges[b, j, 5], interpret=interpret)
@@ -233,8 +235,8 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
 
     dk, dv = mm.accumulators((bk, H), 2, heads, wg)
     if group_splits == 1:
-      store_outputs([(dk * scale, k_smem, r["dk"].at[b, keys, kv_head]),
-                      (dv, v_smem, r["dv"].at[b, keys, kv_head])])
+      store_outputs([(dk * scale, k_tiles, r["dk"].at[b, keys, kv_head]),
+                      (dv, v_tiles, r["dv"].at[b, keys, kv_head])])
     else:
       # Partial sums over the program's heads, summed over the splits by flash_backward:
       # float32 through a float32 tile, so that only the total is rounded to the input
@@ -276,7 +278,7 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
   Each slot's "ready" barrier completes when written and its "free" barrier when read;
   every completion is waited on once."""
   plgpu = import_plgpu()
-  bk, H = ROWS, r["q_smem"].shape[-1]
+  bk, H = ROWS, r["q_smem"].mma.shape[-1]
   keys = pl.ds(j * bk, bk)
   lo, full_lo, full_hi, hi = tile_row(ranges, b, j)
   per_head = hi - lo
@@ -288,8 +290,8 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
   fixed = r["fixed_loaded"]
 
   def dk_consumer():
-    k_smem = r["k_smem"]
-    load_tile(r["k"].at[b, keys, kv_head], k_smem, fixed.at[0])
+    load_tile(r["k"].at[b, keys, kv_head], r["k_smem"], fixed.at[0])
+    k_smem = r["k_smem"].mma
     kv_seg = key_segments(keys)
     query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=j * bk, opts=opts,
                                    kv_len=ranges[b, j, 5], interpret=interpret)
@@ -318,11 +320,11 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
             body, g=g, dk_acc=dk_acc), c), 0), DK_ROLE)
     lax.fori_loop(jnp.maximum(0, total - 2), total,     # the last two tiles' "p_free"
                   lambda t, _: plgpu.barrier_wait(p_free.at[lax.rem(t, 2)]), None)
-    store_tile(dk * scale, k_smem, r["dk"].at[b, keys, kv_head])
+    store_tile(dk * scale, r["k_smem"], r["dk"].at[b, keys, kv_head])
 
   def dv_consumer():
-    v_smem = r["v_smem"]
-    load_tile(r["v"].at[b, keys, kv_head], v_smem, fixed.at[1])
+    load_tile(r["v"].at[b, keys, kv_head], r["v_smem"], fixed.at[1])
+    v_smem = r["v_smem"].mma
 
     def body(t, _, dv_acc):
       _, do_smem = pipe.acquire(t)
@@ -340,7 +342,7 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
     (dv,) = mm.accumulators((bk, H), 1, lambda dv_acc: lax.fori_loop(
         0, total, functools.partial(body, dv_acc=dv_acc), None), DV_ROLE)
     pl.when(total >= 1)(lambda: plgpu.barrier_wait(dp_free.at[0]))  # the last tile's
-    store_tile(dv, v_smem, r["dv"].at[b, keys, kv_head])
+    store_tile(dv, r["v_smem"], r["dv"].at[b, keys, kv_head])
 
   def consume(wg):
     pl.when(wg == DK_ROLE)(dk_consumer)

@@ -18,14 +18,14 @@ from jax.experimental import pallas as pl
 from pallas_kernels.masking import MaskOptions, query_block_order, structured_keep, visit_tiles
 from pallas_kernels.mosaic_gpu.common import (ROWS, layouts, load_vector, tile_ds, tile_p,
                                               tile_row)
-from pallas_kernels.mosaic_gpu.pipeline import (Products, Stream, load_fixed,
+from pallas_kernels.mosaic_gpu.pipeline import (Products, Stream, kernel_refs, load_fixed,
                                                 producer_and_consumers, run_persistent,
                                                 store_outputs, warp_specialised)
 from pallas_kernels.mosaic_gpu.scheduler import count_after, counted_from, item_coords
 
 
 def dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
-               consumers, stages, rows_in_registers=False, persistent=None,
+               consumers, stages, rows_view, rows_in_registers=False, persistent=None,
                p_under_dp=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two or three share the
@@ -33,8 +33,9 @@ def dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, i
   `rows_in_registers`: Q and dO enter S and dP from registers
   (`BackwardConfig.dq_rows_in_registers`); `persistent` (a `PersistentGrid`): each
   program of a producer and its consumers loops over work items (query block, head,
-  batch) of the grid it stands for; `p_under_dp`: as `BackwardConfig.dq_p_under_dp`."""
-  r = dict(zip(names, refs))
+  batch) of the grid it stands for; `p_under_dp`: as `BackwardConfig.dq_p_under_dp`;
+  `rows_view`: the tile buffers' (`kernel_refs`)."""
+  r = kernel_refs(names, refs, rows_view)
   bq = ROWS
   ranges = r["ranges"]
   block_of = query_block_order(num_q_blocks, opts)
@@ -93,13 +94,13 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
   """The closures of one dQ work item (see `dq_kernel`), query block i of query head
   n in batch b: (i, b, srcs, consume)."""
   ranges = r["ranges"]
-  H = r["q_smem"].shape[-1]
+  H = r["q_smem"].mma.shape[-1]
   iota, query_layout, key_layout = layouts(interpret, (bq, bk))
   kv_head = lax.div(n, jnp.int32(group))
   srcs = [lambda j: r["k"].at[b, pl.ds(j * bk, bk), kv_head],
           lambda j: r["v"].at[b, pl.ds(j * bk, bk), kv_head]]
 
-  def consume(wg, q_smem, do_smem, fixed_loaded, row0, tiles, count=None):
+  def consume(wg, q_tiles, do_tiles, fixed_loaded, row0, tiles, count=None):
     """dQ of query rows [row0, row0 + 64). `tiles` = (start(lo), before(t, j, hi),
     acquire(t), release(t)) hand over the key tiles (t counts them, from `count` on in
     a persistent program); start and before are None when a producer streams them.
@@ -110,8 +111,9 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     lo, full_lo, full_hi, hi = tile_row(ranges, b, i)
     if start is not None:
       pl.when(hi > lo)(lambda: start(lo))
-    load_fixed([(r["q"].at[b, rows, n], q_smem, fixed_loaded[0]),
-                 (r["do"].at[b, rows, n], do_smem, fixed_loaded[1])])
+    load_fixed([(r["q"].at[b, rows, n], q_tiles, fixed_loaded[0]),
+                 (r["do"].at[b, rows, n], do_tiles, fixed_loaded[1])])
+    q_smem, do_smem = q_tiles.mma, do_tiles.mma
     q_a, do_a = (q_smem[...], do_smem[...]) if rows_in_registers else (q_smem, do_smem)
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
@@ -149,7 +151,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
 
     (dq,) = mm.accumulators((bq, H), 1, lambda dq_acc: visit_tiles(
         (lo, full_lo, full_hi, hi), functools.partial(body, dq_acc=dq_acc), 0), wg)
-    store_outputs([(dq * scale, q_smem, r["dq"].at[b, rows, n])])
+    store_outputs([(dq * scale, q_tiles, r["dq"].at[b, rows, n])])
     return count_after(count, lambda: hi - lo)
 
   return _DqItem(i, b, srcs, consume)

@@ -42,7 +42,8 @@ from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep)
 from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params, import_plgpu,
-                                              load_vector, map_rows, pad_axis, smem_layout)
+                                              load_vector, map_rows, pad_axis,
+                                              rows_are_swizzle_rows, tile_smem, Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward
 from pallas_kernels.mosaic_gpu.heuristics import default_config
 from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
@@ -111,12 +112,15 @@ def scale_moved_rows(acc, alpha):
 
 
 def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
-            items_grid, num_ctas, dtype, interpret):
+            items_grid, num_ctas, rows_view, dtype, interpret):
   plgpu = import_plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
   r = dict(zip(names, refs))
-  qo_smem, k_smem, v_smem, lse_smem = r["qo_smem"], r["k_smem"], r["v_smem"], r["lse_smem"]
+  # Each tile buffer as the products read it and as the copies move it (`Tiles`).
+  (qo_smem, qo_rows), (k_smem, k_rows), (v_smem, v_rows) = (
+      Tiles.of(r[name], rows_view) for name in ("qo_smem", "k_smem", "v_smem"))
+  lse_smem = r["lse_smem"]
   k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
   k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
   bq, bk, stages, C = config.block_q, config.block_k, config.stages, config.consumers
@@ -188,7 +192,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   @pl.when(wg < C)
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    q_smem = qo_smem.at[wg]
+    q_smem, q_rows = qo_smem.at[wg], qo_rows.at[wg]
 
     def item(coords, tiles):
       i, n, b = coords
@@ -196,7 +200,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       passed = lambda j: j - lo if tiles is None else tiles + j - lo
       slot_of = lambda j: lax.rem(passed(j), stages)
       row0 = i * (C * bq) + wg * bq
-      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_smem, q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_rows, q_loaded.at[wg])
       q_seg = None
       if "q_seg" in r:
         q_seg = load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
@@ -411,7 +415,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       q_smem[...] = out.astype(dtype)             # Q is no longer needed: O goes there
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, r["out"].at[b, pl.ds(row0, bq), n])
+      plgpu.copy_smem_to_gmem(q_rows, r["out"].at[b, pl.ds(row0, bq), n])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # Q's slot is free for the next item
       return passed(hi)
@@ -436,12 +440,12 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         @pl.when(t >= stages)            # the slot held tile t - stages: wait until used
         def _():
           plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(r["k"].at[b, rows, kv_head], k_rows.at[slot], k_loaded.at[slot])
 
         @pl.when(t >= stages)
         def _():
           plgpu.barrier_wait(v_consumed.at[slot])
-        plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_smem.at[slot], v_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(r["v"].at[b, rows, kv_head], v_rows.at[slot], v_loaded.at[slot])
       lax.fori_loop(lo, hi, load, None)
       return hi - lo if tiles is None else tiles + hi - lo
 
@@ -478,13 +482,18 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   # takes that path for every copy of a swizzled buffer, as these are), whose copies the
   # copy engine bounds per axis (`map_rows`). Keys past S are then zeros, masked in the
   # last tile (its class is never FULL); query rows past T are computed on zeros and
-  # dropped by the store. Mosaic GPU builds the map over the shared-memory tiling of 8
-  # rows, so T and S must be multiples of TMA_ROWS: only other lengths are padded in HBM
-  # (a copy), up to the next multiple. The lse rows go out by a plain bulk copy, bounded
-  # only by the whole array's end (rows past T of one head would land in the next), so
-  # lse is written in whole tiles ([B, N, Tp], 4 bytes a row) and cut to T.
+  # dropped by the store. Where a row is one swizzle row (`rows_are_swizzle_rows`) the
+  # copies move plain rows and the map spans T and S as they are; otherwise Mosaic GPU
+  # builds it over the shared-memory tiling of 8 rows, so only lengths off multiples of
+  # TMA_ROWS are padded in HBM (a copy), up to the next multiple. The lse rows go out by
+  # a plain bulk copy, bounded only by the whole array's end (rows past T of one head
+  # would land in the next), so lse is written in whole tiles ([B, N, Tp], 4 bytes a
+  # row) and cut to T.
   # T_map, S_map: the lengths of the arrays the kernel's tensor maps are built over.
-  T_map, S_map = map_rows(T, rows_per_program, interpret), map_rows(S, bk, interpret)
+  # (Mosaic GPU's interpreter has no views of one buffer, and pads tails to whole tiles.)
+  rows_view = rows_are_swizzle_rows(H, q.dtype.itemsize) and not interpret
+  T_map = map_rows(T, rows_per_program, interpret, rows_view)
+  S_map = map_rows(S, bk, interpret, rows_view)
   qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
   ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
   per_consumer = {}
@@ -500,11 +509,10 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
-  swizzled = smem_layout(H, q.dtype.itemsize)
   scratch = dict(
-      qo_smem=plgpu.SMEM((C, bq, H), q.dtype, **swizzled),
-      k_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
-      v_smem=plgpu.SMEM((stages, bk, H), q.dtype, **swizzled),
+      qo_smem=tile_smem((C, bq, H), q.dtype, rows_view),
+      k_smem=tile_smem((stages, bk, H), q.dtype, rows_view),
+      v_smem=tile_smem((stages, bk, H), q.dtype, rows_view),
       lse_smem=plgpu.SMEM((C, bq), jnp.float32),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
@@ -525,7 +533,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
     grid, grid_names = (num_ctas,), ("sm",)
   kernel = functools.partial(
       _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
-      items_grid=items_grid, num_ctas=num_ctas,
+      items_grid=items_grid, num_ctas=num_ctas, rows_view=rows_view,
       dtype=q.dtype, interpret=interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups

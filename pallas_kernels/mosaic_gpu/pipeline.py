@@ -2,6 +2,8 @@
 under the interpreter), bulk-copy loads and stores, the shared-memory slots a producer
 warpgroup streams to its consumers (FlashAttention-3's warp specialisation) or one
 warpgroup double-buffers for itself, and the persistent program's loop over them.
+Every shared-memory buffer a copy moves is passed as its `Tiles`: the copies move its
+`copy` view, the products and register stores use its `mma` view.
 """
 from __future__ import annotations
 
@@ -9,9 +11,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mosaic_gpu.common import import_plgpu, register_split
+from pallas_kernels.mosaic_gpu.common import Tiles, import_plgpu, register_split
 from pallas_kernels.mosaic_gpu.configs import CONSUMER_REGISTERS
 from pallas_kernels.mosaic_gpu.scheduler import PersistentGrid, persistent_items
+
+
+# The backward's tile buffers of the input dtype (`tile_smem`: a rows view where rows are
+# swizzle rows) and its other buffers that bulk copies move (float32, one view).
+TILE_BUFFERS = ("q_smem", "do_smem", "k_smem", "v_smem")
+PLAIN_BUFFERS = ("lse_smem", "delta_smem", "partial_smem")
+
+
+def kernel_refs(names, refs, rows_view: bool) -> dict:
+  """A kernel's refs by name, each buffer of TILE_BUFFERS and PLAIN_BUFFERS as its
+  `Tiles`."""
+  r = dict(zip(names, refs))
+  for name in TILE_BUFFERS + PLAIN_BUFFERS:
+    if name in r:
+      r[name] = Tiles.of(r[name], rows_view and name in TILE_BUFFERS)
+  return r
 
 
 class Products:
@@ -115,7 +133,7 @@ def load_tiles(loads):
   first is waited for: their latencies overlap."""
   plgpu = import_plgpu()
   for src, dst, barrier in loads:
-    plgpu.copy_gmem_to_smem(src, dst, barrier)
+    plgpu.copy_gmem_to_smem(src, dst.copy, barrier)
   for _, _, barrier in loads:
     plgpu.barrier_wait(barrier)
 
@@ -148,10 +166,10 @@ def store_tiles(stores, read_only=False):
   it)."""
   plgpu = import_plgpu()
   for x, smem, _ in stores:
-    smem[...] = x.astype(smem.dtype)
+    smem.mma[...] = x.astype(smem.mma.dtype)
   plgpu.commit_smem()
   for _, smem, dst in stores:
-    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.copy_smem_to_gmem(smem.copy, dst)
   plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
 
@@ -168,13 +186,13 @@ class Stream:
   def start(self, slot, *coords):
     plgpu = import_plgpu()
     for a, (src, smem) in enumerate(zip(self.srcs, self.smems)):
-      plgpu.copy_gmem_to_smem(src(*coords), smem.at[slot], self.loaded.at[2 * a + slot])
+      plgpu.copy_gmem_to_smem(src(*coords), smem.copy.at[slot], self.loaded.at[2 * a + slot])
 
   def wait(self, slot):
     plgpu = import_plgpu()
     for a in range(len(self.srcs)):
       plgpu.barrier_wait(self.loaded.at[2 * a + slot])
-    return tuple(smem.at[slot] for smem in self.smems)
+    return tuple(smem.mma.at[slot] for smem in self.smems)
 
 
 class Pipeline:
@@ -206,7 +224,7 @@ class Pipeline:
     def _():
       plgpu.barrier_wait(self.consumed.at[slot])
     for a, (src, smem) in enumerate(zip(self.srcs, self.smems)):
-      plgpu.copy_gmem_to_smem(src(*coords), smem.at[slot],
+      plgpu.copy_gmem_to_smem(src(*coords), smem.copy.at[slot],
                               self.loaded.at[a * self.stages + slot])
 
   def acquire(self, t):
@@ -214,7 +232,7 @@ class Pipeline:
     slot = lax.rem(t, self.stages)
     for a in range(len(self.smems)):
       plgpu.barrier_wait(self.loaded.at[a * self.stages + slot])
-    return tuple(smem.at[slot] for smem in self.smems)
+    return tuple(smem.mma.at[slot] for smem in self.smems)
 
   def release(self, t):
     plgpu = import_plgpu()
