@@ -403,11 +403,12 @@ def test_default_forward_lowers_with_every_mask_path(H, dtype):
 
 @pytest.mark.parametrize("H, T, S, padded", [(128, 1000, 3000, False), (128, 200, 330, True),
                                              (128, 131, 3000, True), (64, 197, 577, False),
-                                             (32, 131, 3001, False)])
+                                             (32, 131, 3001, False),
+                                             (48, 197, 577, True)])
 def test_tails_are_padded_in_hbm_only_off_the_tensor_map_rows(H, T, S, padded):
   """Lengths that are multiples of TMA_ROWS reach the kernel as they are (the copy
   engine zero-fills and drops the rows past the end of a tile); others are padded,
-  except where a row is one swizzle row (head dims up to 64) and the copies move plain
+  except where a row is one swizzle row (head dims 16, 32, 64) and the copies move plain
   rows: there every length reaches the kernel as it is. (The [B, T, N, H] operands: the
   per-consumer tile-range table, a few int32 per block, is padded to whole programs
   either way.)"""
@@ -475,19 +476,33 @@ def test_pipeline_mqa_causal_off_tile(variant, H):
   check_forward(q, k, v, out, lse, is_causal=True, scale=0.125)
 
 
-@pytest.mark.parametrize("H, causal, variant", [
-    (64, False, {}), (64, True, dict(THREE, block_q=64, block_k=128)),
-    (32, False, dict(persistent=True))])
-def test_tails_off_the_tiling(H, causal, variant):
-  """T = 197 and S = 203, off multiples of 8, rows of one swizzle row (head dims up to
-  64): compiled, the copies move plain rows over tensor maps of T and S rows, zeros past
+def test_tile_buffer_views_share_their_bytes():
+  """The two views of a `tile_smem` buffer start at the same byte (Pallas lays each
+  member of a RefUnion from the union's start), the premise of `rows_are_swizzle_rows`."""
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  union = common.tile_smem((2, 64, 64), jnp.bfloat16, rows_view=True)
+  views = jax.tree.leaves(gpu_core.flatten_ref_union(union.get_ref_aval()),
+                          is_leaf=lambda x: hasattr(x, "transforms"))
+  offsets = [t.offset for v in views for t in v.transforms
+             if isinstance(t, gpu_core.ExtractAliasedRef)]
+  assert offsets == [0, 0]
+
+
+@pytest.mark.parametrize("H, causal, variant, T, S, dtype", [
+    (64, False, {}, 197, 203, jnp.bfloat16),
+    (64, True, dict(THREE, block_q=64, block_k=128), 197, 203, jnp.bfloat16),
+    (32, False, dict(persistent=True), 197, 203, jnp.float16),
+    (16, True, {}, 5, 40, jnp.bfloat16)])
+def test_tails_off_the_tiling(H, causal, variant, T, S, dtype):
+  """Lengths off multiples of 8 (T = 197, S = 203; T = 5, S = 40), rows of one swizzle
+  row (head dims 16, 32, 64): compiled, the copies move plain rows over tensor maps of T and S rows, zeros past
   the end on load and nothing stored past T (no padded copy, `map_rows`); interpreted,
-  the tails are padded to whole tiles. GQA 4/2, two batches."""
-  q, k, v = random_qkv((2, 197, 203, 4, 2, H), jnp.bfloat16, seed=3)[:3]
-  config = dataclasses.replace(heuristics.default_config(H, causal, 197), **variant)
+  the tails are padded to whole tiles. GQA 4/2, two batches, bf16 and fp16."""
+  q, k, v = random_qkv((2, T, S, 4, 2, H), dtype, seed=3)[:3]
+  config = dataclasses.replace(heuristics.default_config(H, causal, T), **variant)
   out, lse = mf.flash_forward(q, k, v, scale=H ** -0.5, opts=MaskOptions(is_causal=causal),
                               config=config, interpret=INTERPRET)
-  assert out.shape == q.shape and lse.shape == (2, 4, 197)
+  assert out.shape == q.shape and lse.shape == (2, 4, T)
   check_forward(q, k, v, out, lse, is_causal=causal, scale=H ** -0.5)
 
 

@@ -198,14 +198,17 @@ def test_gqa_causal_with_tails_at_the_default(H):
   check_grads(got, q, k, v, do, is_causal=True)
 
 
-@pytest.mark.parametrize("H, causal, K", [(64, True, 2), (64, False, 4), (32, False, 2)])
-def test_tails_off_the_tiling(H, causal, K):
+@pytest.mark.parametrize("H, causal, K, fields", [
+    (64, True, 2, {}), (64, False, 4, {}), (32, False, 2, {}),
+    (64, True, 1, dict(group_splits=2, persistent=False))])
+def test_tails_off_the_tiling(H, causal, K, fields):
   """T = 197 and S = 203, off multiples of 8, at head dims whose rows are one swizzle
   row: compiled, both kernels' copies move plain rows over tensor maps of T and S rows
   (no padded copy of Q, K, V or dO, no cut of the gradients); interpreted, padded to
-  whole tiles. The defaults' call config (persistent grids at d = 64 where they apply)."""
+  whole tiles. The defaults' call config (persistent grids at d = 64 where they apply),
+  and MQA's group split in two (float32 partials through their own tile)."""
   q, k, v, do = random_qkv((2, 197, 203, 4, K, H), jnp.bfloat16, seed=5)
-  config = _call_config(H, 197, 203, 4, K, causal=causal)
+  config = _call_config(H, 197, 203, 4, K, causal=causal, **fields)
   got = _run(q, k, v, do, config, causal=causal)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
   check_grads(got, q, k, v, do, is_causal=causal)

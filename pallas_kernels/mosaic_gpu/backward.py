@@ -75,7 +75,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   as pallas_kernels.backward.flash_backward for the structured masks (no dense mask,
   bias or dropout). Tails are read and written in place as in the forward (`map_rows`:
   only lengths off the tensor maps' 8-row tiling are padded in HBM, and those only
-  where a row is more than one swizzle row (head dims above 64), and everything
+  where a row is not one swizzle row (head dims other than 16, 32 and 64), and everything
   under the interpreter); the per-row statistics and segment ids, read by plain loads,
   are padded to whole tiles.
   `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`; default:
