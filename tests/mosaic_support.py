@@ -11,6 +11,7 @@ Lowering tests (`lowered`) lower for CUDA on any machine and run nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -32,6 +33,17 @@ def on_hopper(monkeypatch):
   if not ON_GPU:
     from jflash import mosaic_impl
     monkeypatch.setattr(mosaic_impl, "device_capability", lambda device=None: ("gpu", "9.0"))
+
+
+def watch_races(monkeypatch):
+  """The interpreter's race detector (happens-before over the simulated shared memory
+  and barriers) on for the kernels interpreted next; races are printed."""
+  from jax._src.pallas.mosaic_gpu.interpret import params
+
+  @dataclasses.dataclass(frozen=True)
+  class Racing(params.InterpretGPUParams):
+    detect_races: bool = True
+  monkeypatch.setattr(params, "InterpretGPUParams", Racing)
 
 
 def lowered(f, *args) -> str:

@@ -35,7 +35,7 @@ from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
 from tests.mask_test_base import pytest_generate_tests  # noqa: F401  (per-class case lists)
 from tests.mosaic_support import on_hopper  # noqa: F401  (the fixture, used by name)
 from tests.mosaic_support import (INTERPRET, check_forward, check_grads, kernel_modules,
-                                  lowered, off_gpu_only, register_counts)
+                                  lowered, off_gpu_only, register_counts, watch_races)
 
 HOPPER = dict(platform="gpu", capability="9.0")
 # Head dims of every tier (16-64, 80-128, 144-256) and each swizzle width.
@@ -522,6 +522,23 @@ def test_persistent_grid_carries_slots_across_items(causal, variant):
                               interpret=INTERPRET, num_sms=1 if config.consumers == 3 else 3)
   check_forward(q, k, v, out, lse, scale=0.125, key_value_seq_lengths=kv_len,
                 is_causal=causal)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")
+@pytest.mark.parametrize("variant, persistent", [({}, False), (THREE, False), ({}, True),
+                                                 (SCORES_AHEAD, True)])
+def test_forward_refills_slots_without_a_race(monkeypatch, capsys, variant, persistent):
+  """The producer refills a K or V slot only after every consumer released it (a proxy
+  fence first under the interpreter, whose products are plain loads): S = 384 in
+  128-key tiles through 2 slots, T = 197 (a last block mostly padding); persistent, 2
+  programs over 2 batches x 2 heads x 2 query blocks. No race, and the reference."""
+  watch_races(monkeypatch)
+  q, k, v = random_qkv((2, 197, 384, 2, 1, 64), jnp.bfloat16, seed=5)[:3]
+  config = configs.MosaicConfig(64, 128, 2, persistent=persistent, **variant)
+  got = mf.flash_forward(q, k, v, scale=0.125, interpret=INTERPRET, num_sms=2, config=config)
+  jax.block_until_ready(got)
+  assert "RACE DETECTED" not in capsys.readouterr().out
+  check_forward(q, k, v, *got, scale=0.125)
 
 
 # Masks whose items at T = S = 320 (64-key tiles, programs of 128 rows: 9 items) hold

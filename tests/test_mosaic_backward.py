@@ -28,7 +28,7 @@ from pallas_kernels.mosaic_gpu import backward as mb
 from tests.attention_test_base import random_qkv
 from tests.mosaic_support import on_hopper  # noqa: F401  (the fixture, used by name)
 from tests.mosaic_support import (INTERPRET, check_grads, first_products_a, kernel_modules,
-                                  lowered, register_counts, schedule)
+                                  lowered, register_counts, schedule, watch_races)
 
 HOPPER = dict(platform="gpu", capability="9.0")
 MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
@@ -221,24 +221,13 @@ def test_tails_are_padded_in_hbm_only_where_rows_are_not_swizzle_rows(H, padded)
   assert bool(operand_pads) == padded, operand_pads
 
 
-def _watch_races(monkeypatch):
-  """The interpreter's race detector (happens-before over the simulated shared memory
-  and barriers) on for the kernels interpreted next; races are printed."""
-  from jax._src.pallas.mosaic_gpu.interpret import params
-
-  @dataclasses.dataclass(frozen=True)
-  class Racing(params.InterpretGPUParams):
-    detect_races: bool = True
-  monkeypatch.setattr(params, "InterpretGPUParams", Racing)
-
-
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")
 def test_by_role_gqa_causal_with_tails_has_no_race(monkeypatch, capsys):
   """head_dim 256 (`by_role`): one consumer computes S^T and accumulates dK, the other
   dP^T and dV, P^T (two slots) and float32 dP^T (one) passing between them through
   shared memory; GQA 4/2, causal with T = 70 < S = 150, so the last key tile sees no
   query (dK = dV = 0); the dQ kernel one warpgroup. No race in either kernel."""
-  _watch_races(monkeypatch)
+  watch_races(monkeypatch)
   q, k, v, do = random_qkv((1, 70, 150, 4, 2, 256), jnp.bfloat16, seed=1)
   got = _run(q, k, v, do, _call_config(256, 70, 150, causal=True))
   jax.block_until_ready(got)

@@ -185,6 +185,16 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     full_lo = jnp.clip(own[b, row, 1], a, d)
     return a, full_lo, jnp.clip(own[b, row, 2], full_lo, d), d
 
+  def release(consumed):
+    """A consumer's arrival on a K or V slot's consumed barrier, after which the
+    producer refills the slot by a bulk copy, an async-proxy write. The tensor cores'
+    reads are async-proxy too; the interpreter's products are plain loads (generic
+    proxy), which only a proxy fence orders before that write (PTX ISA, memory
+    consistency model, "proxies"; `pipeline.Pipeline` likewise)."""
+    if interpret:
+      plgpu.commit_smem()
+    plgpu.barrier_arrive(consumed)
+
   consumer_registers, producer_registers = config.register_split()
   lazy = config.lazy_rescale
   pv_in_place = not interpret   # the interpreter has no in-place accumulator
@@ -330,10 +340,10 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
         def body(j, carry, masked):
           acc, m_i, l_i = carry
           s = scores(j)
-          plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+          release(k_consumed.at[slot_of(j)])
           acc, p16, alpha, m_new, l_i = softmax_then_turn(j, s, masked, acc, m_i, l_i)
           acc = pv_product(j, acc, p16, alpha, then=lambda: wait_k(j + 1))
-          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          release(v_consumed.at[slot_of(j)])
           return acc, m_new, l_i
 
         def idle_tile(j, carry):
@@ -341,12 +351,12 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           waits in `body`'s order and nothing else, so that the slots' consumed
           barriers and the ping-pong's schedule barrier complete as for a computed tile."""
           schedule_turn()
-          plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+          release(k_consumed.at[slot_of(j)])
           schedule_arrive()
           plgpu.barrier_wait(v_loaded.at[slot_of(j)])
           schedule_wait()
           wait_k(j + 1)
-          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          release(v_consumed.at[slot_of(j)])
           return carry
 
         def body_ahead(j, carry, masked):
@@ -364,8 +374,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
               issue_scores(s_ref, j + 1)
               schedule_turn()
             acc, s = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores())))
-          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
-          plgpu.barrier_arrive(k_consumed.at[slot_of(j + 1)])
+          release(v_consumed.at[slot_of(j)])
+          release(k_consumed.at[slot_of(j + 1)])
           return acc, m_new, l_i, s
 
         def last_ahead(carry, masked):
@@ -374,7 +384,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           j = hi - 1
           acc, p16, alpha, m_new, l_i = softmax_then_turn(j, s, masked, acc, m_i, l_i)
           acc = pv_product(j, acc, p16, alpha)
-          plgpu.barrier_arrive(v_consumed.at[slot_of(j)])
+          release(v_consumed.at[slot_of(j)])
           return acc, m_new, l_i
 
         if not config.scores_ahead:
@@ -389,7 +399,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
           def first():
             plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
             s = scores(lo)
-            plgpu.barrier_arrive(k_consumed.at[slot_of(lo)])
+            release(k_consumed.at[slot_of(lo)])
             return s
           carry = (acc, m_i, l_i, lax.cond(hi > lo, first, zero_scores))
           end = jnp.maximum(lo, hi - 1)           # tiles lo .. hi - 2, in their classes
