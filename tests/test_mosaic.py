@@ -541,6 +541,43 @@ def test_forward_refills_slots_without_a_race(monkeypatch, capsys, variant, pers
   check_forward(q, k, v, *got, scale=0.125)
 
 
+@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_q_slots_two_only_in_persistent_programs_where_they_fit(H, persistent):
+  """`forward_q_slots`: a second Q slot per consumer in persistent programs (the
+  defaults at d = 64 and 128: 115,712 and 230,400 bytes, in the 227 KiB a block may
+  use); d = 256's two Q slots would not fit; a program of one item has one. The model
+  grows by exactly the slot's bytes."""
+  config = dataclasses.replace(heuristics.default_config(H, False, 4096), persistent=persistent)
+  slots = configs.forward_q_slots(H, 2, config)
+  assert slots == (2 if persistent and H <= 128 else 1)
+  one, two = (configs.forward_smem_bytes(H, 2, config, n) for n in (1, 2))
+  assert two - one == config.consumers * config.block_q * H * 2
+  assert (two <= common.SMEM_BYTES) == (H <= 128)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")
+@pytest.mark.parametrize("variant", [{}, THREE])
+def test_persistent_forward_loads_the_next_q_without_a_race(monkeypatch, capsys, variant):
+  """Two Q slots: each consumer loads its next item's Q into the slot its last item's O
+  left, once that O's store has read it out; 2 programs over 2 batches x 2 heads x 2
+  query blocks (4 items each), T = 197, S = 203 (a last block mostly padding). No race,
+  and the outputs equal one slot's (a launched grid's) to the bit. (The interpreter
+  completes a bulk store at once, so the wait for O's store before the next load into
+  its slot is not what this checks; a load into the wrong slot hangs its barrier.)"""
+  watch_races(monkeypatch)
+  q, k, v = random_qkv((2, 197, 203, 2, 1, 64), jnp.bfloat16, seed=5)[:3]
+  run = lambda persistent: mf.flash_forward(
+      q, k, v, scale=0.125, interpret=INTERPRET, num_sms=2,
+      config=configs.MosaicConfig(64, 128, 2, persistent=persistent, **variant))
+  got = run(True)
+  jax.block_until_ready(got)
+  assert "RACE DETECTED" not in capsys.readouterr().out
+  for x, y in zip(run(False), got):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  check_forward(q, k, v, *got, scale=0.125)
+
+
 # Masks whose items at T = S = 320 (64-key tiles, programs of 128 rows: 9 items) hold
 # every tile class: (causal, window, key lengths of the three batches).
 TILE_CLASS_T = 320

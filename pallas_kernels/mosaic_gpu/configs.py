@@ -11,8 +11,9 @@ import dataclasses
 
 from pallas_kernels.common import round_up
 from pallas_kernels.mosaic_gpu.common import (DEFAULT_CONSUMER_REGISTERS, MAX_BARRIERS,
-                                              MIN_REGISTERS, ROWS, SMEM_ALIGN, SMEM_SLACK,
-                                              check_head_dim_and_dtype, check_shared_memory,
+                                              MIN_REGISTERS, ROWS, SMEM_ALIGN, SMEM_BYTES,
+                                              SMEM_SLACK, check_head_dim_and_dtype,
+                                              check_shared_memory,
                                               launch_registers, register_split,
                                               table_head_dim)
 from pallas_kernels.mosaic_gpu.scheduler import check_l2_group
@@ -30,7 +31,8 @@ class MosaicConfig:
   stages: shared-memory slots of K and V in flight.
   persistent: one program per multiprocessor looping over the (query block, head,
     batch) items, so that one item's pipeline fill and output store overlap the
-    next item's loads, and no partial last wave is launched.
+    next item's loads (its Q too, where two Q slots fit: `forward_q_slots`), and no
+    partial last wave is launched.
   consumers: consumer warpgroups per program, 2 or 3. Two are staggered by the
     schedule barrier (ping-pong, FlashAttention-3 section 3.1); three run
     unsynchronised (more warps per scheduler to hide the softmax's latencies).
@@ -102,12 +104,22 @@ class MosaicConfig:
     return register_split(self.consumers, self.consumer_registers)
 
 
-def forward_smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
-  """Shared memory of one program: Q (reused for O), the K/V slots, lse rows, slack.
-  (The compile reserves no reduction scratch: `compiler_params`.)"""
-  q = config.consumers * config.block_q * head_dim * itemsize
+def forward_smem_bytes(head_dim: int, itemsize: int, config: MosaicConfig,
+                       q_slots: int = 1) -> int:
+  """Shared memory of one program: `q_slots` slots of Q (reused for O), the K/V slots,
+  lse rows, slack. (The compile reserves no reduction scratch: `compiler_params`.)"""
+  q = q_slots * config.consumers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   return q + kv + config.consumers * config.block_q * 4 + SMEM_SLACK
+
+
+def forward_q_slots(head_dim: int, itemsize: int, config: MosaicConfig) -> int:
+  """Slots of each consumer's Q (and O) in shared memory: two in a persistent program
+  where they fit, so that each consumer loads its next item's Q while it computes this
+  one (its wait for that load otherwise opens every item); one otherwise."""
+  if config.persistent and forward_smem_bytes(head_dim, itemsize, config, 2) <= SMEM_BYTES:
+    return 2
+  return 1
 
 
 def check_forward(q, k, v, config: MosaicConfig):

@@ -44,9 +44,9 @@ from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_range
 from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params, import_plgpu,
                                               load_vector, map_rows, pad_axis,
                                               rows_are_swizzle_rows, tile_smem, Tiles)
-from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward
+from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
 from pallas_kernels.mosaic_gpu.heuristics import default_config
-from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
+from pallas_kernels.mosaic_gpu.scheduler import item_coords, item_schedule
 
 # Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
 # result does not depend on the max its exponentials are taken against, only its range
@@ -124,7 +124,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   k_loaded, v_loaded, q_loaded = r["k_loaded"], r["v_loaded"], r["q_loaded"]
   k_consumed, v_consumed, schedule = r["k_consumed"], r["v_consumed"], r["schedule"]
   bq, bk, stages, C = config.block_q, config.block_k, config.stages, config.consumers
-  H = qo_smem.shape[-1]
+  q_slots, H = qo_smem.shape[0], qo_smem.shape[-1]
   wg = lax.axis_index("wg")
   # Register layouts: the tile layout of the matrix-product accumulator and its rows
   # and columns. The interpreter keeps plain arrays and has no layout casts.
@@ -144,21 +144,28 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   block_of = query_block_order(num_q_blocks, opts)
 
   def for_each_item(item):
-    """Runs `item((query block, head, batch), tiles)` over this program's work items;
-    `tiles` counts the key tiles the program has passed through its slots so far (None
-    in a program of one item; from 0 in a persistent one), so every warpgroup derives
-    the same slot and barrier phase for each tile. Returns the count after the last
-    item."""
+    """Runs `item((query block, head, batch), tiles, k, following)` over this program's
+    work items; `tiles` counts the key tiles the program has passed through its slots
+    so far (None in a program of one item; from 0 in a persistent one), so every
+    warpgroup derives the same slot and barrier phase for each tile; k is the item's
+    place in the program's sequence and `following` (whether the program has another
+    item, its coordinates), None in a program of one item. Returns the count after the
+    last item. A persistent program runs its items (`item_schedule`, snake order with a
+    causal mask) through one traced body, as `scheduler.persistent_items` does."""
     if num_ctas is None:     # one item per program
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
-      return item(coords, None)
-    # persistent: this program's items (`persistent_items`)
+      return item(coords, None, 0, None)
+
     def coords_of(w):
       level, head, batch = item_coords(w, items_grid, opts.is_causal)
       return block_of(level), head, batch
 
-    return persistent_items(math.prod(items_grid), num_ctas,
-                            lambda w, tiles: item(coords_of(w), tiles), opts.is_causal)
+    steps, item_index = item_schedule(lax.axis_index("sm"), math.prod(items_grid), num_ctas,
+                                      opts.is_causal)
+    def step(k, tiles):
+      following = (k + 1 < steps, coords_of(item_index(k + 1)))
+      return item(coords_of(item_index(k)), tiles, k, following)
+    return lax.fori_loop(0, steps, step, jnp.int32(0))
 
   def schedule_arrive():
     if config.ping_pong:
@@ -202,20 +209,39 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   @pl.when(wg < C)
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    q_smem, q_rows = qo_smem.at[wg], qo_rows.at[wg]
 
-    def item(coords, tiles):
+    def first_row(i):
+      return i * (C * bq) + wg * bq
+
+    def load_q(coords, q_slot):
+      i, n, b = coords
+      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(first_row(i), bq), n],
+                              qo_rows.at[q_slot, wg], q_loaded.at[q_slot * C + wg])
+
+    def item(coords, tiles, k, following):
       i, n, b = coords
       lo, full_lo, full_hi, hi, kv_len = tile_range(i, b)
       passed = lambda j: j - lo if tiles is None else tiles + j - lo
       slot_of = lambda j: lax.rem(passed(j), stages)
-      row0 = i * (C * bq) + wg * bq
-      plgpu.copy_gmem_to_smem(r["q"].at[b, pl.ds(row0, bq), n], q_rows, q_loaded.at[wg])
+      row0 = first_row(i)
+      # Q's slots (`forward_q_slots`): with two, item k's Q was loaded during item k - 1
+      # (the first item's here), and item k + 1's goes into the other slot once item
+      # k - 1's O and lse, stored from it, have been read out of shared memory.
+      q_slot = 0 if q_slots == 1 else lax.rem(k, 2)
+      q_smem, q_rows = qo_smem.at[q_slot, wg], qo_rows.at[q_slot, wg]
+      if q_slots == 1:
+        load_q(coords, q_slot)
+      else:
+        pl.when(k == 0)(lambda: load_q(coords, q_slot))
       q_seg = None
       if "q_seg" in r:
         q_seg = load_vector(r["q_seg"].at[b, pl.ds(row0, bq)], row_layout, interpret)
         q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-      plgpu.barrier_wait(q_loaded.at[wg])
+      plgpu.barrier_wait(q_loaded.at[q_slot * C + wg])
+      if q_slots == 2:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        has_next, next_coords = following
+        pl.when(has_next)(lambda: load_q(next_coords, 1 - q_slot))
 
       m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
       l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
@@ -427,7 +453,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_rows, r["out"].at[b, pl.ds(row0, bq), n])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], r["lse"].at[b, n, pl.ds(row0, bq)])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # Q's slot is free for the next item
+      if q_slots == 1:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # Q's slot is free for the next item
       return passed(hi)
 
     for_each_item(item)
@@ -437,7 +464,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
   def _producer():
     plgpu.set_max_registers(producer_registers, action="decrease")
 
-    def item(coords, tiles):
+    def item(coords, tiles, k, following):
       i, n, b = coords
       lo, _, _, hi, _ = tile_range(i, b)
       kv_head = lax.div(n, jnp.int32(group))
@@ -519,14 +546,15 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
+  q_slots = forward_q_slots(H, q.dtype.itemsize, config)
   scratch = dict(
-      qo_smem=tile_smem((C, bq, H), q.dtype, rows_view),
+      qo_smem=tile_smem((q_slots, C, bq, H), q.dtype, rows_view),
       k_smem=tile_smem((stages, bk, H), q.dtype, rows_view),
       v_smem=tile_smem((stages, bk, H), q.dtype, rows_view),
       lse_smem=plgpu.SMEM((C, bq), jnp.float32),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
-      q_loaded=plgpu.Barrier(num_barriers=C),
+      q_loaded=plgpu.Barrier(num_barriers=q_slots * C),
       k_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
       v_consumed=plgpu.Barrier(num_arrivals=C, num_barriers=stages),
       schedule=plgpu.Barrier(num_arrivals=2),        # the ping-pong pair (unused otherwise)
