@@ -524,6 +524,47 @@ def test_persistent_grid_carries_slots_across_items(causal, variant):
                 is_causal=causal)
 
 
+def test_launch_pairs_side_by_side_closed_form():
+  """Side by side where a level-by-level round of the programs would hold a different
+  (batch, head) pair in each."""
+  assert heuristics.launch_pairs_side_by_side(256, 132)      # 1K d128 causal, 16 x 16
+  assert heuristics.launch_pairs_side_by_side(132, 132)
+  assert not heuristics.launch_pairs_side_by_side(131, 132)
+  assert not heuristics.launch_pairs_side_by_side(16, 132)   # 16K d128 causal, 16 heads
+
+
+@pytest.mark.parametrize("num_sms", [2, 64])
+def test_causal_launch_in_both_orders(num_sms):
+  """A launched causal forward over 2 batches x 2 heads x 3 query blocks: on 2
+  multiprocessors each pair's blocks side by side (`launch_pairs_side_by_side`), on 64
+  one level at a time. Both equal the reference."""
+  assert heuristics.launch_pairs_side_by_side(4, num_sms) == (num_sms == 2)
+  q, k, v = random_qkv((2, 320, 320, 2, 2, 64), jnp.bfloat16, seed=3)[:3]
+  out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
+                              interpret=INTERPRET, num_sms=num_sms,
+                              config=configs.MosaicConfig(64, 64, 2))
+  check_forward(q, k, v, out, lse, scale=0.125, is_causal=True)
+
+
+def _launch_grid(module: str) -> list[int]:
+  """The (x, y, z) blocks of a lowered Mosaic GPU module's launch (constant operands)."""
+  operands = re.search(r'"stable_mosaic_gpu.gpu.launch"\(%\w+, (%\w+), (%\w+), (%\w+)',
+                       module).groups()
+  return [int(re.search(re.escape(o) + r' = .*?value = (\d+)', module).group(1))
+          for o in operands]
+
+
+@pytest.mark.parametrize("num_sms, blocks", [(8, [6, 4, 2]), (132, [2, 4, 6])])
+def test_causal_launch_order_lowered(num_sms, blocks):
+  """Lowered for CUDA, 2 batches x 4 heads x 6 query blocks of 1K d128 causal: on 8
+  multiprocessors the query blocks are the fastest axis, x (each pair's side by side),
+  on 132 the batch (level by level)."""
+  q = _shape(2, 1024, 4, 128, jnp.bfloat16)
+  f = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
+                                       num_sms=num_sms)
+  assert _launch_grid(kernel_modules(lowered(f, q, q, q))[0]) == blocks
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")
 @pytest.mark.parametrize("variant, persistent", [({}, False), (THREE, False), ({}, True),
                                                  (SCORES_AHEAD, True)])

@@ -30,6 +30,7 @@ TABLE_HEAD_DIMS = (64, 128, 256)
 SWIZZLES = (128, 64, 32)            # bytes per row of a swizzle atom, widest first
 DTYPES = (jnp.bfloat16, jnp.float16)
 SMEM_BYTES = 227 * 1024             # shared memory a Hopper block may use
+CUDA_GRID_YZ = 65535                # blocks a launch's y or z grid axis may have (CUDA)
 # Mosaic GPU allocates a kernel's barriers in groups of at most 32 (its BarrierRef): a
 # pipeline's per-slot barriers of one kind are one group.
 MAX_BARRIERS = 32

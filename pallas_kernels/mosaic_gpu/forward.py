@@ -41,11 +41,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep)
-from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params, import_plgpu,
-                                              load_vector, map_rows, pad_axis,
+from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, LN2, LOG2E, compiler_params,
+                                              import_plgpu, load_vector, map_rows, pad_axis,
                                               rows_are_swizzle_rows, tile_smem, Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
-from pallas_kernels.mosaic_gpu.heuristics import default_config
+from pallas_kernels.mosaic_gpu.heuristics import default_config, launch_pairs_side_by_side
 from pallas_kernels.mosaic_gpu.scheduler import item_coords, item_schedule
 
 # Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
@@ -135,11 +135,13 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     cast = plgpu.layout_cast
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
-  # The launched grid: (query blocks, heads, batch). Mosaic GPU reverses a grid onto
-  # CUDA's block indices (batch is x; jax/_src/pallas/mosaic_gpu/lowering.py), and the
-  # hardware starts blocks about in linear order, x fastest (CUDA promises no order), so
-  # a causal launch goes out level by level: every (batch, head)'s heaviest block
-  # (`query_block_order`) before any's next one.
+  # The launched grid: (query blocks, heads, batch), or (batch, heads, query blocks)
+  # with a causal mask where `launch_pairs_side_by_side`. Mosaic GPU reverses a grid
+  # onto CUDA's block indices (jax/_src/pallas/mosaic_gpu/lowering.py), and the
+  # hardware starts blocks about in linear order, x fastest (CUDA promises no order):
+  # level by level, every (batch, head)'s heaviest block (`query_block_order`) before
+  # any's next one; side by side, each pair's blocks, heaviest first, before the next
+  # pair's.
   num_q_blocks = items_grid[0]
   block_of = query_block_order(num_q_blocks, opts)
 
@@ -499,8 +501,9 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
                   interpret: bool = False, num_sms: int | None = None):
   """q [B, T, N, H], k/v [B, S, K, H] (bf16/fp16) -> out [B, T, N, H], lse [B, N, T]
   float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
-  treats every row < T as a query). `num_sms`: programs of the persistent grid (default:
-  the device's multiprocessors; 2 when interpreted)."""
+  treats every row < T as a query). `num_sms`: the multiprocessors the programs run on,
+  the persistent grid's programs and what a causal launch's order counts on
+  (`heuristics.launch_pairs_side_by_side`); default: the device's, 2 when interpreted."""
   plgpu = import_plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -562,11 +565,14 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   names = [*in_names, "out", "lse", *scratch]
   items_grid = (num_q_blocks, N, B)
   grid, grid_names, num_ctas = items_grid, ("q", "heads", "batch"), None
+  if num_sms is None:
+    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
+  if num_sms is None and (config.persistent or opts.is_causal):
+    raise ValueError("num_sms is needed off a GPU (lowering only)")
+  if (opts.is_causal and not config.persistent and B <= CUDA_GRID_YZ
+      and launch_pairs_side_by_side(B * N, num_sms)):
+    grid, grid_names = items_grid[::-1], ("batch", "heads", "q")
   if config.persistent:
-    if num_sms is None:
-      num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
-    if num_sms is None:
-      raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
     num_ctas = min(num_sms, math.prod(items_grid))
     grid, grid_names = (num_ctas,), ("sm",)
   kernel = functools.partial(

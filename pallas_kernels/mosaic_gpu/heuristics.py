@@ -77,6 +77,20 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
   return config
 
 
+def launch_pairs_side_by_side(pairs: int, num_sms: int) -> bool:
+  """Whether the forward's launched grid under a causal mask takes each (batch, head)'s
+  query blocks side by side rather than one level (a block of each pair) at a time:
+  where a level-by-level round of num_sms programs would hold a different pair in
+  each. Side by side, a pair's blocks read its K and V through L2 together, where
+  level by level each program of such a round streams its own pair's from HBM: at 1K
+  d128 causal (batch 16 x 16 heads, 256 pairs on 132 SMs) 346.5 TF/s against 284.2 on
+  an H100. With fewer pairs a round already holds several blocks of each, and side by
+  side the last pairs' heaviest blocks run on after the rest of the launch: 16K d128
+  causal (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1
+  (ab_l2_order_h100.json)."""
+  return pairs >= num_sms
+
+
 # -- the backward ---------------------------------------------------------------------------
 
 # A causal dK/dV grid of fewer programs splits its GQA group over more (`group_splits`):
