@@ -32,9 +32,11 @@ from experiments.bench import runner, specs
 TREE = Path(__file__).resolve().parents[2]
 PACKAGES = ("jflash", "pallas_kernels")   # what a tree contributes
 
-# The benchmark's cells, and the decoder LM's attention (seq_scaling --parts lm).
+# The benchmark's cells (the FA-2 grids, full included), and the decoder LM's attention
+# (seq_scaling --parts lm).
 LM = specs.Case(4096, 128, True, 4, 8, name="LM 4K d128 causal")
-CELLS = {c.name: c for grid in ("quick", "d256", "model", "short") for c in specs.GRIDS[grid]}
+CELLS = {c.name: c for grid in ("quick", "hopper", "full", "d256", "model", "short")
+         for c in specs.GRIDS[grid]}
 CELLS[LM.name] = LM
 
 
