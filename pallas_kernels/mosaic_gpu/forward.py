@@ -46,7 +46,7 @@ from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, LN2, LOG2E, compiler
                                               rows_are_swizzle_rows, tile_smem, Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
 from pallas_kernels.mosaic_gpu.heuristics import default_config, launch_pairs_side_by_side
-from pallas_kernels.mosaic_gpu.scheduler import item_coords, item_schedule
+from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
 
 # Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
 # result does not depend on the max its exponentials are taken against, only its range
@@ -152,8 +152,8 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     warpgroup derives the same slot and barrier phase for each tile; k is the item's
     place in the program's sequence and `following` (whether the program has another
     item, its coordinates), None in a program of one item. Returns the count after the
-    last item. A persistent program runs its items (`item_schedule`, snake order with a
-    causal mask) through one traced body, as `scheduler.persistent_items` does."""
+    last item. A persistent program runs its items through `persistent_items`, in
+    snake order with a causal mask."""
     if num_ctas is None:     # one item per program
       coords = (block_of(lax.axis_index("q")), lax.axis_index("heads"), lax.axis_index("batch"))
       return item(coords, None, 0, None)
@@ -162,12 +162,11 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
       level, head, batch = item_coords(w, items_grid, opts.is_causal)
       return block_of(level), head, batch
 
-    steps, item_index = item_schedule(lax.axis_index("sm"), math.prod(items_grid), num_ctas,
-                                      opts.is_causal)
-    def step(k, tiles):
-      following = (k + 1 < steps, coords_of(item_index(k + 1)))
-      return item(coords_of(item_index(k)), tiles, k, following)
-    return lax.fori_loop(0, steps, step, jnp.int32(0))
+    return persistent_items(
+        math.prod(items_grid), num_ctas,
+        lambda w, tiles, step: item(coords_of(w), tiles, step.k,
+                                    (step.has_next, coords_of(step.next_item))),
+        opts.is_causal)
 
   def schedule_arrive():
     if config.ping_pong:
@@ -565,10 +564,10 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   names = [*in_names, "out", "lse", *scratch]
   items_grid = (num_q_blocks, N, B)
   grid, grid_names, num_ctas = items_grid, ("q", "heads", "batch"), None
-  if num_sms is None:
-    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
   if num_sms is None and (config.persistent or opts.is_causal):
-    raise ValueError("num_sms is needed off a GPU (lowering only)")
+    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
+    if num_sms is None:
+      raise ValueError("num_sms is needed off a GPU (lowering only)")
   if (opts.is_causal and not config.persistent and B <= CUDA_GRID_YZ
       and launch_pairs_side_by_side(B * N, num_sms)):
     grid, grid_names = items_grid[::-1], ("batch", "heads", "q")

@@ -295,9 +295,9 @@ def run_persistent(persistent: PersistentGrid, pipe, item_of, produce, consume, 
 
   def produce_all():
     pipe.drain(persistent_items(num_items, num_ctas,
-                                lambda w, count: produce(item_of(w), count), snake))
+                                lambda w, count, _: produce(item_of(w), count), snake))
 
   def consume_all(wg):
-    persistent_items(num_items, num_ctas, lambda w, count: consume(wg, item_of(w), count),
-                     snake)
+    persistent_items(num_items, num_ctas,
+                     lambda w, count, _: consume(wg, item_of(w), count), snake)
   warp_specialised(lax.axis_index("wg"), consumers, produce_all, consume_all)

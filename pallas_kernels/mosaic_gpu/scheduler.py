@@ -41,16 +41,27 @@ def item_schedule(cta, num_items: int, num_ctas: int, snake: bool):
   return rounds + (item(jnp.int32(rounds)) < num_items).astype(jnp.int32), item
 
 
+class Step(NamedTuple):
+  """An item's place in its persistent program: the k-th of the program's items, and
+  whether the program has another (`has_next`) and which (`next_item`; past the last,
+  an index nothing may load from)."""
+  k: object
+  has_next: object
+  next_item: object
+
+
 def persistent_items(num_items: int, num_ctas: int, item, snake: bool = False):
   """The persistent grid's loop (the forward's and both backward kernels'): this
-  program (axis "sm") runs its work items (`item_schedule`) as item(w, count) -> count,
-  the count (of tiles streamed through its slots) going on from one item to the next
-  from 0; returns the last. Every item goes through one traced body: a first item
-  traced on its own would be a second copy of the kernel's code for ptxas to compile
-  (seconds of a call's first compile)."""
+  program (axis "sm") runs its work items (`item_schedule`) as item(w, count, step) ->
+  count, the count (of tiles streamed through its slots) going on from one item to the
+  next from 0, `step` the item's `Step`; returns the last count. Every item goes
+  through one traced body: a first item traced on its own would be a second copy of
+  the kernel's code for ptxas to compile (seconds of a call's first compile)."""
   steps, item_index = item_schedule(lax.axis_index("sm"), num_items, num_ctas, snake)
-  return lax.fori_loop(0, steps, lambda k, count: item(item_index(k), count),
-                       jnp.int32(0))
+  return lax.fori_loop(
+      0, steps,
+      lambda k, count: item(item_index(k), count, Step(k, k + 1 < steps, item_index(k + 1))),
+      jnp.int32(0))
 
 
 def item_coords(w, sizes, causal: bool, l2_group: int = 1):
