@@ -89,7 +89,10 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     configs.check_backward(q, k, k, config)
   except NotImplementedError:
     return "pallas"
-  wins = heuristics.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal, config=config)
+  num_sms = (getattr(jax.devices()[0], "core_count", None)
+             if jax.default_backend() == "gpu" else None)
+  wins = heuristics.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal,
+                                         config=config, num_sms=num_sms)
   return "mosaic_gpu" if wins else "pallas"
 
 

@@ -60,6 +60,14 @@ def kernel_modules(text: str) -> list[str]:
   return mosaic_modules(text)
 
 
+def launch_grid(module: str) -> list[int]:
+  """The (x, y, z) blocks of a lowered Mosaic GPU module's launch (constant operands)."""
+  operands = re.search(r'"stable_mosaic_gpu.gpu.launch"\(%\w+, (%\w+), (%\w+), (%\w+)',
+                       module).groups()
+  return [int(re.search(re.escape(o) + r' = .*?value = (\d+)', module).group(1))
+          for o in operands]
+
+
 # Register reallocation and the waits for matrix products print as NVVM ops up to jax
 # 0.11 ("nvvm.setmaxregister"() {... regCount = 240 ...}, "nvvm.wgmma.wait.group.sync.
 # aligned"() {group = 1 ...}) and as the same PTX inline from jax 0.12 (llvm.inline_asm

@@ -317,10 +317,11 @@ def test_ab_kernels_times_another_trees_kernels_beside_this_ones(tmp_path):
   # A copy of this tree's packages stands in for another commit's.
   copy_packages(tmp_path / "base")
   run_script("tools.ab_kernels", tmp_path, str(tmp_path / "base"), "--rounds", "2",
-             "--warm-ms", "0", "--name", "ab_tiny")
+             "--warm-ms", "0", "--name", "ab_tiny", "--config", '{"block_q": 32}')
   res = load(tmp_path, "ab_tiny")
   assert res["trees"]["base"] == str((tmp_path / "base").resolve())
   assert [r["mode"] for r in res["rows"]] == ["fwd", "fwd+bwd"]
+  assert all(r["config"] == {"block_q": 32} for r in res["rows"])
   assert all(r["this_ms"] > 0 and r["base_ms"] > 0 and r["this_over_base"] > 0
              for r in res["rows"])
 

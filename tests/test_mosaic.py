@@ -35,7 +35,8 @@ from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
 from tests.mask_test_base import pytest_generate_tests  # noqa: F401  (per-class case lists)
 from tests.mosaic_support import on_hopper  # noqa: F401  (the fixture, used by name)
 from tests.mosaic_support import (INTERPRET, check_forward, check_grads, kernel_modules,
-                                  lowered, off_gpu_only, register_counts, watch_races)
+                                  launch_grid, lowered, off_gpu_only, register_counts,
+                                  watch_races)
 
 HOPPER = dict(platform="gpu", capability="9.0")
 # Head dims of every tier (16-64, 80-128, 144-256) and each swizzle width.
@@ -295,15 +296,29 @@ def test_backward_call_configs_run(H):
 
 @pytest.mark.parametrize("H", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_backward_wins_for_longer_calls_if_for_a_shorter(H, causal):
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_mosaic_backward_wins_for_longer_calls_if_for_a_shorter(H, causal, num_sms):
   """Longer sequences and larger batches only spread each program's fixed costs further
   and fill a causal grid more: where the Mosaic GPU backward wins, it wins there too."""
   for B, (N, K) in itertools.product((1, 4, 16), ((16, 16), (32, 8), (16, 1))):
     wins = [heuristics.mosaic_backward_wins(
-        (b, T, N, H), (b, T, K, H), causal=causal,
+        (b, T, N, H), (b, T, K, H), causal=causal, num_sms=num_sms,
         config=heuristics.call_config((b, T, N, H), (b, T, K, H), 2, causal=causal))
         for b, T in ((B, 512), (B, 1024), (B, 2048), (B, 4096), (B, 16384), (4 * B, 16384))]
     assert wins == sorted(wins), (B, N, K, wins)
+
+
+def test_mosaic_backward_wins_on_causal_grids_launched_side_by_side():
+  """With a causal mask and one key head per query head, 1K rows: the Mosaic GPU
+  backward where its launched grids run side by side (256 pairs on 132
+  multiprocessors), the Triton one where level by level (64 pairs, or no device
+  count)."""
+  def wins(B, num_sms):
+    q = (B, 1024, 16, 128)
+    config = heuristics.call_config(q, q, 2, causal=True)
+    return heuristics.mosaic_backward_wins(q, q, causal=True, config=config, num_sms=num_sms)
+  assert wins(16, 132)
+  assert not wins(4, 132) and not wins(16, None)
 
 
 def test_swizzles_are_the_widest_a_row_fills():
@@ -546,14 +561,6 @@ def test_causal_launch_in_both_orders(num_sms):
   check_forward(q, k, v, out, lse, scale=0.125, is_causal=True)
 
 
-def _launch_grid(module: str) -> list[int]:
-  """The (x, y, z) blocks of a lowered Mosaic GPU module's launch (constant operands)."""
-  operands = re.search(r'"stable_mosaic_gpu.gpu.launch"\(%\w+, (%\w+), (%\w+), (%\w+)',
-                       module).groups()
-  return [int(re.search(re.escape(o) + r' = .*?value = (\d+)', module).group(1))
-          for o in operands]
-
-
 @pytest.mark.parametrize("num_sms, blocks", [(8, [6, 4, 2]), (132, [2, 4, 6])])
 def test_causal_launch_order_lowered(num_sms, blocks):
   """Lowered for CUDA, 2 batches x 4 heads x 6 query blocks of 1K d128 causal: on 8
@@ -562,7 +569,7 @@ def test_causal_launch_order_lowered(num_sms, blocks):
   q = _shape(2, 1024, 4, 128, jnp.bfloat16)
   f = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                                        num_sms=num_sms)
-  assert _launch_grid(kernel_modules(lowered(f, q, q, q))[0]) == blocks
+  assert launch_grid(kernel_modules(lowered(f, q, q, q))[0]) == blocks
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")

@@ -28,7 +28,8 @@ from pallas_kernels.mosaic_gpu import backward as mb
 from tests.attention_test_base import random_qkv
 from tests.mosaic_support import on_hopper  # noqa: F401  (the fixture, used by name)
 from tests.mosaic_support import (INTERPRET, check_grads, first_products_a, kernel_modules,
-                                  lowered, register_counts, schedule, watch_races)
+                                  launch_grid, lowered, register_counts, schedule,
+                                  watch_races)
 
 HOPPER = dict(platform="gpu", capability="9.0")
 MOSAIC_BWD = jflash.MosaicGPUConfig(backward="mosaic_gpu")
@@ -174,6 +175,23 @@ def test_default_persistent_kernels_hold_one_copy_of_the_item(H, causal):
   assert products[0] == products[1] and min(products[0]) > 0, products
 
 
+@pytest.mark.parametrize("num_sms, blocks", [(8, [8, 4, 2]), (132, [2, 4, 8])])
+def test_causal_launch_order_lowered(num_sms, blocks):
+  """Lowered for CUDA, 2 batches x 4 heads of 1K d128 causal on the launched grids (8 key
+  tiles of 128 in the dK/dV kernel, 8 query blocks of 128 in the dQ kernel): on 8
+  multiprocessors each kernel's tiles are the fastest axis, x (each pair's side by
+  side), on 132 the batch (level by level)."""
+  config = _call_config(128, 1024, 1024, 4, 4, causal=True)
+  assert not config.persistent
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 4, 1024), jnp.float32)
+  f = lambda q, k, v, out, lse, dout: mb.flash_backward(
+      q, k, v, out, lse, dout, scale=0.125, opts=MaskOptions(is_causal=True), config=config,
+      num_sms=num_sms)
+  modules = kernel_modules(lowered(f, q, q, q, q, lse, q))
+  assert [launch_grid(m) for m in modules] == [blocks, blocks]
+
+
 # -- the kernels, interpreted off a GPU (compiled on one) --------------------------------------
 
 def _run(q, k, v, do, config, causal=True, scale=None, num_sms=3):
@@ -195,6 +213,17 @@ def test_gqa_causal_with_tails_at_the_default(H):
   config = _call_config(H, 70, 90, causal=True, group_splits=1)
   got = _run(q, k, v, do, config)
   assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
+  check_grads(got, q, k, v, do, is_causal=True)
+
+
+def test_causal_grids_launched_side_by_side():
+  """2 batches x 2 heads on 2 multiprocessors: both kernels' causal grids launched with
+  each pair's tiles side by side (`launch_pairs_side_by_side`); T = 200 and S = 130
+  (two query blocks, two key tiles, partial last ones). The reference."""
+  q, k, v, do = random_qkv((2, 200, 130, 2, 2, 128), jnp.bfloat16, seed=7)
+  config = _call_config(128, 200, 130, 2, 2, causal=True)
+  assert not config.persistent
+  got = _run(q, k, v, do, config, num_sms=2)
   check_grads(got, q, k, v, do, is_causal=True)
 
 

@@ -11,11 +11,14 @@ TF/s (FLOPs as in the benchmark), the median of the rounds.
   python -m experiments.tools.ab_kernels /tmp/base --out-dir experiments/results --name ab_fa2_h200
   python -m experiments.tools.ab_kernels /tmp/base --implementation mosaic_gpu \
       --cells "fa2 16K d128 causal,GQA" --modes fwd+bwd
+  python -m experiments.tools.ab_kernels /tmp/base --implementation mosaic_gpu \
+      --config '{"backward": "mosaic_gpu"}' --cells "fa2 1K d128 causal" --modes fwd+bwd
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import functools
 import importlib
 import importlib.abc
@@ -123,10 +126,22 @@ def cell_inputs(case):
   return q, k, v, do
 
 
-def programs(loaded, case, mode, inputs, implementation="pallas"):
-  """One tree's compiled program for `mode`, traced under that tree's packages."""
+CONFIG_CLASSES = {"pallas": "PallasConfig", "mosaic_gpu": "MosaicGPUConfig",
+                  "xla_chunked": "ChunkedConfig", "hip": "HipConfig"}
+
+
+def programs(loaded, case, mode, inputs, implementation="pallas", config=None):
+  """One tree's compiled program for `mode`, traced under that tree's packages; `config`:
+  fields of the implementation's config, built from that tree's own config class."""
   attention, modules = loaded
-  attn = functools.partial(attention, is_causal=case.causal, implementation=implementation)
+  options = {}
+  if config:
+    if implementation not in CONFIG_CLASSES:
+      raise ValueError(f"--config needs --implementation of {sorted(CONFIG_CLASSES)}, "
+                       f"not {implementation!r}")
+    options["config"] = getattr(modules["jflash"], CONFIG_CLASSES[implementation])(**config)
+  attn = functools.partial(attention, is_causal=case.causal, implementation=implementation,
+                           **options)
   f = (lambda q, k, v, do: attn(q, k, v)) if mode == "fwd" else runner.fwd_bwd(attn)
   with package(modules):
     return jax.jit(f).lower(*inputs).compile()
@@ -141,6 +156,8 @@ def main(argv=None):
                  help="comma-separated substrings of cell names (default: the FA-2 quick "
                       f"cells); the cells: {', '.join(CELLS)}")
   p.add_argument("--modes", default=",".join(specs.MODES))
+  p.add_argument("--config", type=json.loads, default=None,
+                 help="JSON object of the implementation's config fields, set in both trees")
   p.add_argument("--rounds", type=int, default=specs.ROUNDS, help="rounds per program, alternating")
   p.add_argument("--round-ms", type=float, default=specs.ROUND_S * 1e3,
                  help="back-to-back calls per round to fill this long")
@@ -161,14 +178,15 @@ def main(argv=None):
   for case in cases:
     inputs = cell_inputs(case)
     for mode in modes:
-      fns = {label: programs(loaded[label], case, mode, inputs, implementation)
+      fns = {label: programs(loaded[label], case, mode, inputs, implementation,
+                             args.config)
              for label in trees}
       times = common.time_alternating(
           {label: (fn, (inputs,), common.block) for label, fn in fns.items()},
           rounds=args.rounds, round_s=args.round_ms / 1e3, warm_s=args.warm_ms / 1e3)
       flops = case.flops(mode)
       row = {"case": case.name, "key": case.key(), "mode": mode, "rounds": args.rounds,
-             "implementation": args.implementation}
+             "implementation": args.implementation, "config": args.config}
       failed = {label: t["error"] for label, t in times.items() if "error" in t}
       if failed:
         raise RuntimeError(f"{case.name} {mode}: timing failed: {failed}")

@@ -38,7 +38,8 @@ and a producer there where their rows fit shared memory beside key tiles of 64
 (`call_config`, d 144-224), else one warpgroup (`dq_consumers_of`).
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
-of `pallas_kernels.masking`, as the forward). Under the interpreter (`interpret=True`)
+of `pallas_kernels.masking`, as the forward), and launch a causal grid's tiles of each
+(batch, head) side by side where the forward does (`launch_pairs_side_by_side`). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
 operands and no layout casts; loads, barriers, schedule and masks are the kernel's own
 but tails are
@@ -55,13 +56,14 @@ import jax.numpy as jnp
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
-from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, import_plgpu, map_rows,
-                                              pad_axis, rows_are_swizzle_rows, smem_layout,
-                                              tile_smem)
+from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, ROWS, compiler_params,
+                                              import_plgpu, map_rows, pad_axis,
+                                              rows_are_swizzle_rows, smem_layout, tile_smem)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, by_role, check_backward,
                                                dkv_keys, dq_consumers_of, stream_slots)
 from pallas_kernels.mosaic_gpu.dkv import dkv_kernel
 from pallas_kernels.mosaic_gpu.dq import dq_kernel
+from pallas_kernels.mosaic_gpu.heuristics import launch_pairs_side_by_side
 from pallas_kernels.mosaic_gpu.scheduler import PersistentGrid
 
 
@@ -78,8 +80,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   where a row is not one swizzle row (head dims other than 16, 32 and 64), and everything
   under the interpreter); the per-row statistics and segment ids, read by plain loads,
   are padded to whole tiles.
-  `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`; default:
-  the device's multiprocessors, 2 when interpreted)."""
+  `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`), and what a
+  causal launched grid's order follows (`launch_pairs_side_by_side`); default: the
+  device's multiprocessors, 2 when interpreted."""
   plgpu = import_plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -175,11 +178,12 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
         grid_names=grid_names, compiler_params=compiler_params(), **threads, **extra)(*args)
 
   # With `persistent`, each kernel's grid is one program per multiprocessor (axis "sm"),
-  # looping over the work items of the grid it stands for.
-  if config.persistent and num_sms is None:
+  # looping over the work items of the grid it stands for; a causal launched grid's
+  # order follows the multiprocessors' count too (`grid_of`).
+  if num_sms is None and (config.persistent or opts.is_causal):
     num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
     if num_sms is None:
-      raise ValueError("num_sms is needed for the persistent grid off a GPU (lowering only)")
+      raise ValueError("num_sms is needed off a GPU (lowering only)")
   if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
                               or num_sms < 1):
     raise ValueError(f"num_sms={num_sms!r} must be a positive int")
@@ -192,10 +196,18 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     return PersistentGrid(items, min(num_sms, items), grid, config.l2_group)
 
   def grid_of(grid, grid_names):
-    """The launch's grid and axis names."""
-    if not config.persistent:
-      return grid, grid_names
-    return (persistent_grid(grid).programs,), ("sm",)
+    """The launch's grid and axis names. A launched causal grid of (tiles, heads, batch)
+    is reversed to (batch, heads, tiles) where `launch_pairs_side_by_side`, as the
+    forward's: Mosaic GPU maps a grid's last axis to CUDA's x, so each (batch, head)'s
+    tiles, heaviest first, launch side by side and read that pair's streamed tiles
+    through L2 together, where level by level a round of one program per
+    multiprocessor streams a different pair's in each."""
+    if config.persistent:
+      return (persistent_grid(grid).programs,), ("sm",)
+    if (opts.is_causal and len(grid) == 3 and grid[2] <= CUDA_GRID_YZ
+        and launch_pairs_side_by_side(grid[1] * grid[2], num_sms)):
+      return grid[::-1], grid_names[::-1]
+    return grid, grid_names
 
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows

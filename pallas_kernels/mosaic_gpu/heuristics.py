@@ -78,8 +78,9 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
 
 
 def launch_pairs_side_by_side(pairs: int, num_sms: int) -> bool:
-  """Whether the forward's launched grid under a causal mask takes each (batch, head)'s
-  query blocks side by side rather than one level (a block of each pair) at a time:
+  """Whether a launched grid under a causal mask (the forward's, and each backward
+  kernel's over its own tiles) takes each (batch, head)'s tiles side by side rather
+  than one level (a tile of each pair) at a time:
   where a level-by-level round of num_sms programs would hold a different pair in
   each. Side by side, a pair's blocks read its K and V through L2 together, where
   level by level each program of such a round streams its own pair's from HBM: at 1K
@@ -87,7 +88,9 @@ def launch_pairs_side_by_side(pairs: int, num_sms: int) -> bool:
   an H100. With fewer pairs a round already holds several blocks of each, and side by
   side the last pairs' heaviest blocks run on after the rest of the launch: 16K d128
   causal (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1
-  (ab_l2_order_h100.json)."""
+  (ab_l2_order_h100.json). The Mosaic GPU backward's kernels at 1K d128 causal, side
+  by side against level by level: forward+backward 291.9 TF/s against 249.6
+  (ab_bwd_order_h100.json)."""
   return pairs >= num_sms
 
 
@@ -209,7 +212,8 @@ D64_CAUSAL_MIN_SEQ = 4096       # ... with a causal mask (shorter, the Triton on
 D64_GROUPED_MIN_SEQ = 4096      # ... grouped heads: the length timed
 
 
-def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConfig) -> bool:
+def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConfig,
+                         num_sms: int | None = None) -> bool:
   """Whether the Mosaic GPU backward at `config` (the call's `call_config`) runs ahead of
   the Triton backward for a call of q [B, T, N, H] and k [B, S, K, H]:
   - not when the call is causal and its dK/dV grid has fewer than CAUSAL_MIN_PROGRAMS
@@ -220,9 +224,13 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     run below it), from D64_MIN_SEQ, D64_CAUSAL_MIN_SEQ or D64_GROUPED_MIN_SEQ rows;
   - at 80-128 always for grouped heads (the dK/dV program runs the group's query heads
     against K and V held in shared memory), and for one key head per query head from
-    MHA_MIN_SEQ rows (MHA_PERSISTENT_MIN_SEQ on the persistent grids)."""
+    MHA_MIN_SEQ rows (MHA_PERSISTENT_MIN_SEQ on the persistent grids, and on causal
+    grids launched side by side on a device of `num_sms` multiprocessors:
+    `launch_pairs_side_by_side`; None, off a GPU: as level by level)."""
   B, S, K, H = k_shape
   T, grouped = q_shape[1], q_shape[2] > K
+  side_by_side = (causal and not config.persistent and num_sms is not None
+                  and launch_pairs_side_by_side(B * K, num_sms))
   if causal and dkv_programs(B, K, S, H, config) < CAUSAL_MIN_PROGRAMS:
     return False
   if by_role(H):
@@ -231,5 +239,5 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if causal else D64_MIN_SEQ)
     return H == 64 and min(T, S) >= min_seq
-  return grouped or min(T, S) >= (MHA_PERSISTENT_MIN_SEQ if config.persistent
-                                  else MHA_MIN_SEQ)
+  return grouped or min(T, S) >= (MHA_PERSISTENT_MIN_SEQ
+                                  if config.persistent or side_by_side else MHA_MIN_SEQ)
