@@ -75,10 +75,12 @@ def backward_config(q, k, cfg, masks: Masks) -> configs.BackwardConfig:
                           **fields)
 
 
-def backward_kind(q, k, cfg, masks: Masks) -> str:
+def backward_kind(q, k, cfg, masks: Masks, num_sms: int | None = None) -> str:
   """Which backward runs: the caller's `backward`; with "auto", the Mosaic GPU one
   wherever the caller set a backward field (it runs as set or raises), else where the
-  heuristics find it the faster for the call (`mosaic_backward_wins`)."""
+  heuristics find it the faster for the call (`mosaic_backward_wins`) on `num_sms`
+  multiprocessors (default: the GPU's; off a GPU none, the grids' level-by-level
+  rule)."""
   own = cfg.backend_config(MosaicGPUConfig)
   if own is not None and own.backward != "auto":
     return own.backward
@@ -89,8 +91,8 @@ def backward_kind(q, k, cfg, masks: Masks) -> str:
     configs.check_backward(q, k, k, config)
   except NotImplementedError:
     return "pallas"
-  num_sms = (getattr(jax.devices()[0], "core_count", None)
-             if jax.default_backend() == "gpu" else None)
+  if num_sms is None and jax.default_backend() == "gpu":
+    num_sms = getattr(jax.devices()[0], "core_count", None)
   wins = heuristics.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal,
                                          config=config, num_sms=num_sms)
   return "mosaic_gpu" if wins else "pallas"

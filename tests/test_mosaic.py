@@ -301,11 +301,13 @@ def test_mosaic_backward_wins_for_longer_calls_if_for_a_shorter(H, causal, num_s
   """Longer sequences and larger batches only spread each program's fixed costs further
   and fill a causal grid more: where the Mosaic GPU backward wins, it wins there too."""
   for B, (N, K) in itertools.product((1, 4, 16), ((16, 16), (32, 8), (16, 1))):
-    wins = [heuristics.mosaic_backward_wins(
-        (b, T, N, H), (b, T, K, H), causal=causal, num_sms=num_sms,
-        config=heuristics.call_config((b, T, N, H), (b, T, K, H), 2, causal=causal))
-        for b, T in ((B, 512), (B, 1024), (B, 2048), (B, 4096), (B, 16384), (4 * B, 16384))]
-    assert wins == sorted(wins), (B, N, K, wins)
+    for chain in (((B, 512), (B, 1024), (B, 2048), (B, 4096), (B, 16384), (4 * B, 16384)),
+                  ((B, 1024), (4 * B, 1024), (16 * B, 1024), (64 * B, 1024))):
+      wins = [heuristics.mosaic_backward_wins(
+          (b, T, N, H), (b, T, K, H), causal=causal, num_sms=num_sms,
+          config=heuristics.call_config((b, T, N, H), (b, T, K, H), 2, causal=causal))
+          for b, T in chain]
+      assert wins == sorted(wins), (B, N, K, chain, wins)
 
 
 def test_mosaic_backward_wins_on_causal_grids_launched_side_by_side():
@@ -539,21 +541,38 @@ def test_persistent_grid_carries_slots_across_items(causal, variant):
                 is_causal=causal)
 
 
-def test_launch_pairs_side_by_side_closed_form():
+def test_device_sms():
+  """The multiprocessors a grid is laid out for: as given, 2 interpreted, the device's
+  otherwise (none on a CPU: lowering needs it given); a clear error for a bad value."""
+  assert common.device_sms(132, interpret=False) == 132
+  assert common.device_sms(None, interpret=True) == 2
+  if INTERPRET:     # off a GPU
+    with pytest.raises(ValueError, match="num_sms is needed off a GPU"):
+      common.device_sms(None, interpret=False)
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=rf"num_sms={bad!r} must be a positive int"):
+      common.device_sms(bad, interpret=True)
+
+
+def test_launch_side_by_side_closed_form():
   """Side by side where a level-by-level round of the programs would hold a different
-  (batch, head) pair in each."""
-  assert heuristics.launch_pairs_side_by_side(256, 132)      # 1K d128 causal, 16 x 16
-  assert heuristics.launch_pairs_side_by_side(132, 132)
-  assert not heuristics.launch_pairs_side_by_side(131, 132)
-  assert not heuristics.launch_pairs_side_by_side(16, 132)   # 16K d128 causal, 16 heads
+  (batch, head) pair in each, on a causal launched grid whose batch fits CUDA's z."""
+  side = lambda batch, heads, causal=True, persistent=False: heuristics.launch_side_by_side(
+      causal=causal, persistent=persistent, batch=batch, heads=heads, num_sms=132)
+  assert side(16, 16)                          # 1K d128 causal, 16 x 16
+  assert side(132, 1) and not side(131, 1)
+  assert not side(1, 16)                       # 16K d128 causal, 16 heads
+  assert not side(16, 16, causal=False) and not side(16, 16, persistent=True)
+  assert side(common.CUDA_GRID_YZ, 1) and not side(common.CUDA_GRID_YZ + 1, 1)
 
 
 @pytest.mark.parametrize("num_sms", [2, 64])
 def test_causal_launch_in_both_orders(num_sms):
   """A launched causal forward over 2 batches x 2 heads x 3 query blocks: on 2
-  multiprocessors each pair's blocks side by side (`launch_pairs_side_by_side`), on 64
+  multiprocessors each pair's blocks side by side (`launch_side_by_side`), on 64
   one level at a time. Both equal the reference."""
-  assert heuristics.launch_pairs_side_by_side(4, num_sms) == (num_sms == 2)
+  assert heuristics.launch_side_by_side(causal=True, persistent=False, batch=2, heads=2,
+                                        num_sms=num_sms) == (num_sms == 2)
   q, k, v = random_qkv((2, 320, 320, 2, 2, 64), jnp.bfloat16, seed=3)[:3]
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               interpret=INTERPRET, num_sms=num_sms,

@@ -218,7 +218,7 @@ def test_gqa_causal_with_tails_at_the_default(H):
 
 def test_causal_grids_launched_side_by_side():
   """2 batches x 2 heads on 2 multiprocessors: both kernels' causal grids launched with
-  each pair's tiles side by side (`launch_pairs_side_by_side`); T = 200 and S = 130
+  each pair's tiles side by side (`launch_side_by_side`); T = 200 and S = 130
   (two query blocks, two key tiles, partial last ones). The reference."""
   q, k, v, do = random_qkv((2, 200, 130, 2, 2, 128), jnp.bfloat16, seed=7)
   config = _call_config(128, 200, 130, 2, 2, causal=True)

@@ -67,7 +67,7 @@ def lowered_kernels(B, T, N, K, H, causal, num_sms=NUM_SMS) -> dict:
       lowering_platforms=("cuda",)).as_text()
   return {"forward": mosaic_modules(lower(fwd, q, kv, kv)),
           "backward": mosaic_modules(lower(bwd, q, kv, kv, q, lse, q)),
-          "backward_kind": mosaic_impl.backward_kind(q, kv, cfg, masks)}
+          "backward_kind": mosaic_impl.backward_kind(q, kv, cfg, masks, num_sms=num_sms)}
 
 
 def lowered_in(tree: Path, cells) -> list[dict]:

@@ -39,7 +39,7 @@ and a producer there where their rows fit shared memory beside key tiles of 64
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
 of `pallas_kernels.masking`, as the forward), and launch a causal grid's tiles of each
-(batch, head) side by side where the forward does (`launch_pairs_side_by_side`). Under the interpreter (`interpret=True`)
+(batch, head) side by side where the forward does (`launch_side_by_side`). Under the interpreter (`interpret=True`)
 the products are plain dots: it has no transposed or in-register matrix-product
 operands and no layout casts; loads, barriers, schedule and masks are the kernel's own
 but tails are
@@ -50,20 +50,19 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
-from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, ROWS, compiler_params,
-                                              import_plgpu, map_rows, pad_axis,
-                                              rows_are_swizzle_rows, smem_layout, tile_smem)
+from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, device_sms, import_plgpu,
+                                              map_rows, pad_axis, rows_are_swizzle_rows,
+                                              smem_layout, tile_smem)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, by_role, check_backward,
                                                dkv_keys, dq_consumers_of, stream_slots)
 from pallas_kernels.mosaic_gpu.dkv import dkv_kernel
 from pallas_kernels.mosaic_gpu.dq import dq_kernel
-from pallas_kernels.mosaic_gpu.heuristics import launch_pairs_side_by_side
+from pallas_kernels.mosaic_gpu.heuristics import launch_side_by_side
 from pallas_kernels.mosaic_gpu.scheduler import PersistentGrid
 
 
@@ -81,8 +80,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   under the interpreter); the per-row statistics and segment ids, read by plain loads,
   are padded to whole tiles.
   `num_sms`: programs of the persistent grids (`BackwardConfig.persistent`), and what a
-  causal launched grid's order follows (`launch_pairs_side_by_side`); default: the
-  device's multiprocessors, 2 when interpreted."""
+  causal launched grid's order follows (`launch_side_by_side`); default: the device's
+  multiprocessors, 2 when interpreted (`device_sms`)."""
   plgpu = import_plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -180,13 +179,8 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   # With `persistent`, each kernel's grid is one program per multiprocessor (axis "sm"),
   # looping over the work items of the grid it stands for; a causal launched grid's
   # order follows the multiprocessors' count too (`grid_of`).
-  if num_sms is None and (config.persistent or opts.is_causal):
-    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
-    if num_sms is None:
-      raise ValueError("num_sms is needed off a GPU (lowering only)")
-  if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                              or num_sms < 1):
-    raise ValueError(f"num_sms={num_sms!r} must be a positive int")
+  if config.persistent or opts.is_causal:
+    num_sms = device_sms(num_sms, interpret)
 
   def persistent_grid(grid):
     """The kernel's `PersistentGrid` over `grid`, or None."""
@@ -196,16 +190,15 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     return PersistentGrid(items, min(num_sms, items), grid, config.l2_group)
 
   def grid_of(grid, grid_names):
-    """The launch's grid and axis names. A launched causal grid of (tiles, heads, batch)
-    is reversed to (batch, heads, tiles) where `launch_pairs_side_by_side`, as the
-    forward's: Mosaic GPU maps a grid's last axis to CUDA's x, so each (batch, head)'s
-    tiles, heaviest first, launch side by side and read that pair's streamed tiles
-    through L2 together, where level by level a round of one program per
-    multiprocessor streams a different pair's in each."""
+    """The launch's grid and axis names: a launched grid of (tiles, heads, batch)
+    reversed where `launch_side_by_side`, as the forward's (a grid split over the
+    group's heads keeps its order)."""
     if config.persistent:
       return (persistent_grid(grid).programs,), ("sm",)
-    if (opts.is_causal and len(grid) == 3 and grid[2] <= CUDA_GRID_YZ
-        and launch_pairs_side_by_side(grid[1] * grid[2], num_sms)):
+    size = dict(zip(grid_names, grid))
+    if "split" not in size and launch_side_by_side(
+        causal=opts.is_causal, persistent=False, batch=size["batch"], heads=size["heads"],
+        num_sms=num_sms):
       return grid[::-1], grid_names[::-1]
     return grid, grid_names
 

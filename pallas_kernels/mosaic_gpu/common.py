@@ -9,6 +9,7 @@ import inspect
 import math
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -54,6 +55,20 @@ TMA_ROWS = 8
 # with two consumers and 160/160/160/32 with three.
 MIN_REGISTERS = 24
 DEFAULT_CONSUMER_REGISTERS = {2: 232, 3: 160}
+
+
+def device_sms(num_sms: int | None, interpret: bool) -> int:
+  """The multiprocessors a grid is laid out for (a persistent grid's programs, a causal
+  launched grid's order): `num_sms` where given, else the device's, 2 when interpreted
+  (grids of several programs). ValueError when lowering off a GPU without it, or for
+  anything but a positive int."""
+  if num_sms is None:
+    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
+    if num_sms is None:
+      raise ValueError("num_sms is needed off a GPU (lowering only)")
+  if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+    raise ValueError(f"num_sms={num_sms!r} must be a positive int")
+  return num_sms
 
 
 def launch_registers(consumers: int) -> int:

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -41,11 +40,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep)
-from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, LN2, LOG2E, compiler_params,
+from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params, device_sms,
                                               import_plgpu, load_vector, map_rows, pad_axis,
                                               rows_are_swizzle_rows, tile_smem, Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
-from pallas_kernels.mosaic_gpu.heuristics import default_config, launch_pairs_side_by_side
+from pallas_kernels.mosaic_gpu.heuristics import default_config, launch_side_by_side
 from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
 
 # Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
@@ -136,7 +135,7 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma_layout)
 
   # The launched grid: (query blocks, heads, batch), or (batch, heads, query blocks)
-  # with a causal mask where `launch_pairs_side_by_side`. Mosaic GPU reverses a grid
+  # with a causal mask where `launch_side_by_side`. Mosaic GPU reverses a grid
   # onto CUDA's block indices (jax/_src/pallas/mosaic_gpu/lowering.py), and the
   # hardware starts blocks about in linear order, x fastest (CUDA promises no order):
   # level by level, every (batch, head)'s heaviest block (`query_block_order`) before
@@ -502,7 +501,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   float32 natural log. Rows past `ops.q_lengths` are left to the caller (the kernel
   treats every row < T as a query). `num_sms`: the multiprocessors the programs run on,
   the persistent grid's programs and what a causal launch's order counts on
-  (`heuristics.launch_pairs_side_by_side`); default: the device's, 2 when interpreted."""
+  (`heuristics.launch_side_by_side`); default: the device's, 2 when interpreted
+  (`common.device_sms`)."""
   plgpu = import_plgpu()
   opts = opts or MaskOptions()
   ops = ops or MaskOperands()
@@ -564,12 +564,10 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   names = [*in_names, "out", "lse", *scratch]
   items_grid = (num_q_blocks, N, B)
   grid, grid_names, num_ctas = items_grid, ("q", "heads", "batch"), None
-  if num_sms is None and (config.persistent or opts.is_causal):
-    num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
-    if num_sms is None:
-      raise ValueError("num_sms is needed off a GPU (lowering only)")
-  if (opts.is_causal and not config.persistent and B <= CUDA_GRID_YZ
-      and launch_pairs_side_by_side(B * N, num_sms)):
+  if config.persistent or opts.is_causal:
+    num_sms = device_sms(num_sms, interpret)
+  if launch_side_by_side(causal=opts.is_causal, persistent=config.persistent, batch=B,
+                         heads=N, num_sms=num_sms):
     grid, grid_names = items_grid[::-1], ("batch", "heads", "q")
   if config.persistent:
     num_ctas = min(num_sms, math.prod(items_grid))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.mosaic_gpu.common import MAX_BARRIERS, ROWS, SMEM_BYTES, table_head_dim
+from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, MAX_BARRIERS, ROWS, SMEM_BYTES,
+                                              table_head_dim)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, MosaicConfig,
                                                backward_smem_bytes, by_role,
                                                dkv_programs, dq_consumers_of,
@@ -77,21 +78,26 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
   return config
 
 
-def launch_pairs_side_by_side(pairs: int, num_sms: int) -> bool:
-  """Whether a launched grid under a causal mask (the forward's, and each backward
-  kernel's over its own tiles) takes each (batch, head)'s tiles side by side rather
-  than one level (a tile of each pair) at a time:
-  where a level-by-level round of num_sms programs would hold a different pair in
-  each. Side by side, a pair's blocks read its K and V through L2 together, where
-  level by level each program of such a round streams its own pair's from HBM: at 1K
-  d128 causal (batch 16 x 16 heads, 256 pairs on 132 SMs) 346.5 TF/s against 284.2 on
-  an H100. With fewer pairs a round already holds several blocks of each, and side by
-  side the last pairs' heaviest blocks run on after the rest of the launch: 16K d128
-  causal (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1
-  (ab_l2_order_h100.json). The Mosaic GPU backward's kernels at 1K d128 causal, side
-  by side against level by level: forward+backward 291.9 TF/s against 249.6
-  (ab_bwd_order_h100.json)."""
-  return pairs >= num_sms
+def launch_side_by_side(*, causal: bool, persistent: bool, batch: int, heads: int,
+                        num_sms: int) -> bool:
+  """Whether a launched grid of (tiles, heads, batch) under a causal mask (the
+  forward's over query blocks, each backward kernel's over its own tiles) is reversed
+  to (batch, heads, tiles), so that each (batch, head)'s tiles, heaviest first, launch
+  side by side rather than one level (a tile of each pair) at a time: where a
+  level-by-level round of num_sms programs would hold a different pair in each
+  (batch x heads >= num_sms). Side by side, a pair's programs read its streamed tiles
+  through L2 together, where level by level each program of such a round streams its
+  own pair's from HBM: at 1K d128 causal (batch 16 x 16 heads, 256 pairs on 132 SMs)
+  the forward 346.5 TF/s against 284.2 on an H100 (ab_l2_order_h100.json), the Mosaic
+  GPU backward's forward+backward 291.9 against 249.6 (ab_bwd_order_h100.json). With
+  fewer pairs a round already holds several tiles of each, and side by side the last
+  pairs' heaviest tiles run on after the rest of the launch: forward, 16K d128 causal
+  (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1. Mosaic
+  GPU maps a grid's last axis to CUDA's x and its first to z, so the reversed grid
+  needs batch <= CUDA_GRID_YZ. A persistent grid orders its items itself
+  (`scheduler.item_coords`)."""
+  return (causal and not persistent and batch <= CUDA_GRID_YZ
+          and batch * heads >= num_sms)
 
 
 # -- the backward ---------------------------------------------------------------------------
@@ -206,6 +212,11 @@ def call_config(q_shape, k_shape, itemsize: int, *, causal: bool, **fields) -> B
 # over fewer tiles.
 MHA_MIN_SEQ = 2048              # one key head per query head, head_dim 80-128, launched grids
 MHA_PERSISTENT_MIN_SEQ = 1024   # ... on the persistent grids (no partial last wave)
+# ... on causal grids launched side by side (`launch_side_by_side`: each pair's tiles
+# share L2), from one H100 cell, 1K d128 causal at batch 16 x 16 heads: 291.9 TF/s
+# fwd+bwd against the Triton backward's 264.1 (ab_bwd_order_h100.json,
+# short_backward_h100.json); d 80-112 and the H200 follow d128 on the H100 untimed.
+MHA_SIDE_BY_SIDE_MIN_SEQ = 1024
 BY_ROLE_MIN_SEQ = 1024          # head dims split by role (above 128): the shortest timed
 D64_MIN_SEQ = 1024              # head_dim 64, one key head per query head
 D64_CAUSAL_MIN_SEQ = 4096       # ... with a causal mask (shorter, the Triton one leads)
@@ -224,13 +235,16 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     run below it), from D64_MIN_SEQ, D64_CAUSAL_MIN_SEQ or D64_GROUPED_MIN_SEQ rows;
   - at 80-128 always for grouped heads (the dK/dV program runs the group's query heads
     against K and V held in shared memory), and for one key head per query head from
-    MHA_MIN_SEQ rows (MHA_PERSISTENT_MIN_SEQ on the persistent grids, and on causal
-    grids launched side by side on a device of `num_sms` multiprocessors:
-    `launch_pairs_side_by_side`; None, off a GPU: as level by level)."""
+    MHA_MIN_SEQ rows (MHA_PERSISTENT_MIN_SEQ on the persistent grids,
+    MHA_SIDE_BY_SIDE_MIN_SEQ on causal grids launched side by side on a device of
+    `num_sms` multiprocessors, `launch_side_by_side`; None: as level by level). The
+    (batch, key head) pairs counted are the dK/dV grid's; the dQ grid's, B x N, are
+    the same there (one key head per query head), the only branch that reads them."""
   B, S, K, H = k_shape
   T, grouped = q_shape[1], q_shape[2] > K
-  side_by_side = (causal and not config.persistent and num_sms is not None
-                  and launch_pairs_side_by_side(B * K, num_sms))
+  side_by_side = (num_sms is not None and config.group_splits == 1
+                  and launch_side_by_side(causal=causal, persistent=config.persistent,
+                                          batch=B, heads=K, num_sms=num_sms))
   if causal and dkv_programs(B, K, S, H, config) < CAUSAL_MIN_PROGRAMS:
     return False
   if by_role(H):
@@ -239,5 +253,6 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if causal else D64_MIN_SEQ)
     return H == 64 and min(T, S) >= min_seq
-  return grouped or min(T, S) >= (MHA_PERSISTENT_MIN_SEQ
-                                  if config.persistent or side_by_side else MHA_MIN_SEQ)
+  min_seq = (MHA_PERSISTENT_MIN_SEQ if config.persistent else
+             MHA_SIDE_BY_SIDE_MIN_SEQ if side_by_side else MHA_MIN_SEQ)
+  return grouped or min(T, S) >= min_seq
