@@ -2,9 +2,11 @@
 element-wise rules, the dropout hash and the per-tile visiting ranges, and the order in
 which query blocks are launched (`query_block_order`).
 
-The caller (jflash) decides *which* tiles exist (a [B, nq, nk] class table from
-block summaries, see `ranges_from_classes`); the kernels only follow the ranges and
-apply element-wise rules inside boundary tiles.
+The caller (jflash) decides *which* tiles exist: under the static rules (causal,
+window) each block's ranges in closed form (`ranges_static`), with data-dependent ones
+(lengths, segment ids) from a [B, nq, nk] class table of block summaries
+(`ranges_from_classes`); the kernels only follow the ranges and apply element-wise
+rules inside boundary tiles.
 """
 from __future__ import annotations
 
@@ -185,6 +187,74 @@ def classes_static(T, S, block_q, block_k, opts: MaskOptions, offset=0):
   return xp.where(all_ & any_, FULL, xp.where(any_, BOUNDARY, SKIP)).astype(xp.int8)
 
 
+def ranges_static(T, S, block_q, block_k, opts: MaskOptions, offset: int = 0,
+                  transpose: bool = False):
+  """`ranges_from_classes(classes_static(...))` (its `.T` with `transpose`) for an int
+  `offset`, in closed form: [n, 4] int32 in O(n) time and memory, where the table is
+  [nq, nk] (at 1M tokens in tiles of 128, 67M classes and int64 intermediates of eight
+  times that). Each rule keeps an interval of the other side's tiles, bounded by floor
+  and ceiling divisions of a tile's first and last positions; their intersection is
+  the visited run, and the tiles that every rule keeps whole (FULL, one contiguous run
+  inside it) the unmasked one.
+
+  Rows r0..r1 of query block i sit at i bq + offset .. min(i bq + bq, T) - 1 + offset;
+  keys c0..c1 of key tile j at j bk .. j bk + bk - 1, of which c1 < S for a whole tile.
+  A key tile is visible to a row block where some (row, key) pair is (causal: c0 <= r1;
+  window: c0 <= r1 + right and min(c1, S - 1) >= r0 - left), FULL where every pair of
+  the whole tile is (c1 < S; causal: c1 <= r0; window: c0 >= r1 - left and
+  c1 <= r0 + right), which implies visible."""
+  nq, nk = -(-T // block_q), -(-S // block_k)
+  inf = np.int64(2 ** 62)
+  up = lambda a, b: -(-a // b)                        # ceiling division
+  causal, window = opts.is_causal, opts.window
+  left, right = window if window is not None else (inf, inf)
+  if not transpose:       # rows: query blocks; ranges over key tiles
+    n, m = nq, nk
+    r0 = np.arange(nq, dtype=np.int64) * block_q + offset
+    r1 = np.minimum(r0 - offset + block_q, T) - 1 + offset
+    lo = np.zeros(n, np.int64)
+    hi = np.full(n, m, np.int64)
+    if causal:
+      hi = np.minimum(hi, r1 // block_k + 1)
+    lo = np.maximum(lo, (r0 - left) // block_k)
+    hi = np.minimum(hi, (r1 + right) // block_k + 1)
+    visible = (lo < hi) & (S - 1 >= r0 - left)
+    f_lo = np.maximum(0, up(r1 - left, block_k))
+    f_hi = np.full(n, S // block_k, np.int64)
+    if causal:
+      f_hi = np.minimum(f_hi, (r0 + 1) // block_k)
+    f_hi = np.minimum(f_hi, (r0 + right + 1) // block_k)
+  else:                   # rows: key tiles; ranges over query blocks
+    n, m = nk, nq
+    c0 = np.arange(nk, dtype=np.int64) * block_k
+    c1 = c0 + block_k - 1
+    last_row = T - 1 + offset                        # position of the last query
+    lo = np.zeros(n, np.int64)
+    hi = np.full(n, m, np.int64)
+    visible = np.ones(n, bool)
+    if causal:            # r1(i) >= c0
+      lo = np.maximum(lo, (c0 - offset) // block_q)
+      visible &= last_row >= c0
+    # r1(i) >= c0 - right, and r0(i) <= min(c1, S - 1) + left
+    lo = np.maximum(lo, (c0 - right - offset) // block_q)
+    visible &= last_row >= c0 - right
+    hi = np.minimum(hi, (np.minimum(c1, S - 1) + left - offset) // block_q + 1)
+    visible &= lo < hi
+    f_lo = np.zeros(n, np.int64)
+    f_hi = np.where(c1 < S, m, 0)
+    if causal:            # r0(i) >= c1
+      f_lo = np.maximum(f_lo, up(c1 - offset, block_q))
+    # r1(i) <= c0 + left (every block's, where the last query's is), r0(i) >= c1 - right
+    f_hi = np.minimum(f_hi, np.where(last_row <= c0 + left, m,
+                                     (c0 + left - offset + 1) // block_q))
+    f_lo = np.maximum(f_lo, up(c1 - right - offset, block_q))
+  lo, hi = np.where(visible, lo, 0), np.where(visible, hi, 0)
+  full = visible & (f_lo < f_hi)
+  full_lo = np.where(full, f_lo, lo)
+  full_hi = np.where(full, np.minimum(f_hi, hi), lo)
+  return np.stack([lo, full_lo, full_hi, hi], -1).astype(np.int32)
+
+
 def query_offsets(opts: MaskOptions, *, T, S, q_lengths=None, kv_lengths=None):
   """Position of each batch row's query 0 for the causal and window rules: 0 aligned
   top-left; kv_len - q_len aligned bottom-right (an int without lengths, else [B] int32,
@@ -209,9 +279,8 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
   """
   offset = query_offsets(opts, T=T, S=S, q_lengths=ops.q_lengths, kv_lengths=ops.kv_lengths)
   if ops.schedule is None and ops.q_lengths is None and ops.kv_lengths is None:
-    # Static rules only: the table is a constant, built here in NumPy.
-    static = classes_static(T, S, block_q, block_k, opts, offset)
-    r = ranges_from_classes(static.T if transpose else static, xp=np)
+    # Static rules only: the ranges are a constant, computed here in closed form.
+    r = ranges_static(T, S, block_q, block_k, opts, offset, transpose)
     r = np.concatenate([r, np.tile(np.array([[T, S, offset, 0]], np.int32), (len(r), 1))], -1)
     return jnp.asarray(np.broadcast_to(r[None], (B, *r.shape)))
   per_row = not isinstance(offset, int)

@@ -15,7 +15,8 @@ import numpy as np
 
 import jflash
 from jflash.masks import Masks, tile_classes, visited_tiles
-from pallas_kernels.masking import MaskOperands, MaskOptions, build_ranges
+from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, classes_static,
+                                    ranges_from_classes, ranges_static)
 from pallas_kernels.tuning import default_block_sizes
 from tests.attention_test_base import floor, max_err
 from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
@@ -135,6 +136,41 @@ def test_pallas_skips_tiles_outside_the_window():
     err, err_plain = max_err(g, want), max_err(p, want)
     assert err <= 2 * err_plain + floor(jnp.float32, want, H), (name, err, err_plain)
   assert np.all(np.asarray(got[2])[:, far:] == 0) and np.all(np.asarray(got[3])[:, far:] == 0)
+
+
+def test_static_ranges_closed_form_equal_the_class_table():
+  """`ranges_static` (what `build_ranges` returns for the static rules) equals the
+  ranges of the [nq, nk] class table, for both orientations, over seeded draws of
+  lengths off the tiles, tile sizes, causal or not, windows up to INT32_MAX on either
+  side and query offsets from -T to S (bottom-right alignment with S < T or S > T)."""
+  rng = np.random.default_rng(0)
+  for _ in range(3000):
+    T, S = (int(x) for x in rng.choice([1, 7, 64, 65, 197, 300, 513], 2))
+    bq, bk = int(rng.choice([16, 64, 192])), int(rng.choice([16, 64, 128]))
+    sides = [0, 1, 7, 64, 100, 1000, 2 ** 31 - 1]
+    window = None if rng.random() < 0.4 else tuple(int(x) for x in rng.choice(sides, 2))
+    offset = int(rng.choice([0, S - T, -T, S, int(rng.integers(-T, S + 1))]))
+    opts = MaskOptions(is_causal=bool(rng.random() < 0.5), window=window)
+    table = classes_static(T, S, bq, bk, opts, offset)
+    for transpose in (False, True):
+      want = ranges_from_classes(table.T if transpose else table, xp=np)
+      got = ranges_static(T, S, bq, bk, opts, offset, transpose)
+      assert np.array_equal(got, want), (T, S, bq, bk, opts, offset, transpose)
+
+
+def test_static_ranges_at_a_million_tokens():
+  """Causal at 2^20 tokens in tiles of 128 (8,192 x 8,192 tiles; the class table would
+  hold 67M): query block i visits key tiles [0, i + 1), unmasked [0, i); key tile j is
+  visited by query blocks [j, 8192), unmasked from j + 1 (the last none: an empty run
+  sits at lo)."""
+  n = 2 ** 20 // 128
+  i = np.arange(n)
+  opts = MaskOptions(is_causal=True)
+  rows = ranges_static(2 ** 20, 2 ** 20, 128, 128, opts)
+  np.testing.assert_array_equal(rows, np.stack([0 * i, 0 * i, i, i + 1], -1))
+  cols = ranges_static(2 ** 20, 2 ** 20, 128, 128, opts, transpose=True)
+  np.testing.assert_array_equal(cols[:-1], np.stack([i, i + 1, 0 * i + n, 0 * i + n], -1)[:-1])
+  assert cols[-1].tolist() == [n - 1, n - 1, n - 1, n]
 
 
 # -- the benchmark script ------------------------------------------------------------------
