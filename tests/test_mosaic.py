@@ -556,14 +556,46 @@ def test_device_sms():
 
 def test_launch_side_by_side_closed_form():
   """Side by side where a level-by-level round of the programs would hold a different
-  (batch, head) pair in each, on a causal launched grid whose batch fits CUDA's z."""
-  side = lambda batch, heads, causal=True, persistent=False: heuristics.launch_side_by_side(
-      causal=causal, persistent=persistent, batch=batch, heads=heads, num_sms=132)
+  (batch, head) pair in each (causal), or where the level-by-level grid's tiles would
+  pass CUDA's z axis (any launched grid); never past it with the batch, nor on a
+  persistent grid."""
+  Z = common.CUDA_GRID_YZ
+  side = lambda batch, heads, tiles=8, causal=True, persistent=False: (
+      heuristics.launch_side_by_side(causal=causal, persistent=persistent, batch=batch,
+                                     heads=heads, tiles=tiles, num_sms=132))
   assert side(16, 16)                          # 1K d128 causal, 16 x 16
   assert side(132, 1) and not side(131, 1)
   assert not side(1, 16)                       # 16K d128 causal, 16 heads
   assert not side(16, 16, causal=False) and not side(16, 16, persistent=True)
-  assert side(common.CUDA_GRID_YZ, 1) and not side(common.CUDA_GRID_YZ + 1, 1)
+  assert side(Z, 1) and not side(Z + 1, 1)
+  assert side(1, 1, tiles=Z + 1) and side(1, 1, tiles=Z + 1, causal=False)
+  assert not side(1, 1, tiles=Z) and not side(Z + 1, 1, tiles=Z + 1)
+  assert not side(1, 1, tiles=Z + 1, persistent=True)
+
+
+def test_launches_past_cuda_grid_limits_raise():
+  """A launched grid whose y or z axis (the product of all but the last two) passes
+  CUDA_GRID_YZ blocks raises NotImplementedError naming the axes; at the limit it
+  passes."""
+  Z = common.CUDA_GRID_YZ
+  common.check_launch((Z, Z, 2 ** 31 - 1), ("q", "heads", "batch"))
+  common.check_launch((7,), ("sm",))
+  with pytest.raises(NotImplementedError, match=r"z \(q: 65536\)"):
+    common.check_launch((Z + 1, 4, 2), ("q", "heads", "batch"))
+  with pytest.raises(NotImplementedError, match=r"y \(heads: 65536\)"):
+    common.check_launch((2, Z + 1, 2), ("q", "heads", "batch"))
+  with pytest.raises(NotImplementedError, match=r"z \(kv x heads: 65536\)"):
+    common.check_launch((256, 256, 1, 2), ("kv", "heads", "split", "batch"))
+
+
+def test_causal_forward_past_the_z_limit_launches_side_by_side():
+  """Lowered for CUDA, one (batch, head) of 65,537 query blocks of 192 rows (12.6M
+  tokens): level by level would put the blocks on z, past its 65,535; side by side
+  they go on x. (The static ranges are O(blocks), `ranges_static`.)"""
+  q = _shape(1, 65537 * 192, 1, 128, jnp.bfloat16)
+  f = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
+                                       num_sms=132)
+  assert launch_grid(kernel_modules(lowered(f, q, q, q))[0]) == [65537, 1, 1]
 
 
 @pytest.mark.parametrize("num_sms", [2, 64])
@@ -572,7 +604,7 @@ def test_causal_launch_in_both_orders(num_sms):
   multiprocessors each pair's blocks side by side (`launch_side_by_side`), on 64
   one level at a time. Both equal the reference."""
   assert heuristics.launch_side_by_side(causal=True, persistent=False, batch=2, heads=2,
-                                        num_sms=num_sms) == (num_sms == 2)
+                                        tiles=3, num_sms=num_sms) == (num_sms == 2)
   q, k, v = random_qkv((2, 320, 320, 2, 2, 64), jnp.bfloat16, seed=3)[:3]
   out, lse = mf.flash_forward(q, k, v, scale=0.125, opts=MaskOptions(is_causal=True),
                               interpret=INTERPRET, num_sms=num_sms,

@@ -192,6 +192,22 @@ def test_causal_launch_order_lowered(num_sms, blocks):
   assert [launch_grid(m) for m in modules] == [blocks, blocks]
 
 
+def test_causal_grids_past_the_z_limit_launch_side_by_side():
+  """Lowered for CUDA, one (batch, head) of 65,537 tiles of 128 (8.4M tokens, d128
+  causal, the launched grids): level by level would put each kernel's tiles on z,
+  past its 65,535; side by side they go on x."""
+  T = 65537 * 128
+  config = _call_config(128, T, T, 1, 1, causal=True)
+  assert not config.persistent and config.group_splits == 1
+  q = jax.ShapeDtypeStruct((1, T, 1, 128), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 1, T), jnp.float32)
+  f = lambda q, k, v, out, lse, dout: mb.flash_backward(
+      q, k, v, out, lse, dout, scale=0.125, opts=MaskOptions(is_causal=True), config=config,
+      num_sms=132)
+  modules = kernel_modules(lowered(f, q, q, q, q, lse, q))
+  assert [launch_grid(m) for m in modules] == [[65537, 1, 1]] * 2
+
+
 # -- the kernels, interpreted off a GPU (compiled on one) --------------------------------------
 
 def _run(q, k, v, do, config, causal=True, scale=None, num_sms=3):

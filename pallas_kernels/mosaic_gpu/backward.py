@@ -38,12 +38,12 @@ and a producer there where their rows fit shared memory beside key tiles of 64
 (`call_config`, d 144-224), else one warpgroup (`dq_consumers_of`).
 
 Both skip whole tiles for causal, window, lengths and segment ids alike (the schedule
-of `pallas_kernels.masking`, as the forward), and launch a causal grid's tiles of each
-(batch, head) side by side where the forward does (`launch_side_by_side`). Under the interpreter (`interpret=True`)
-the products are plain dots: it has no transposed or in-register matrix-product
-operands and no layout casts; loads, barriers, schedule and masks are the kernel's own
-but tails are
-padded to whole tiles (`map_rows`): reading them in place runs on the GPU only.
+of `pallas_kernels.masking`, as the forward), and launch a grid's tiles of each (batch,
+head) side by side where the forward does (`launch_side_by_side`). Under the
+interpreter (`interpret=True`) the products are plain dots: it has no transposed or
+in-register matrix-product operands and no layout casts; loads, barriers, schedule and
+masks are the kernel's own but tails are padded to whole tiles (`map_rows`): reading
+them in place runs on the GPU only.
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ import jax.numpy as jnp
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
-from pallas_kernels.mosaic_gpu.common import (ROWS, compiler_params, device_sms, import_plgpu,
-                                              map_rows, pad_axis, rows_are_swizzle_rows,
-                                              smem_layout, tile_smem)
+from pallas_kernels.mosaic_gpu.common import (ROWS, check_launch, compiler_params, device_sms,
+                                              import_plgpu, map_rows, pad_axis,
+                                              rows_are_swizzle_rows, smem_layout, tile_smem)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, by_role, check_backward,
                                                dkv_keys, dq_consumers_of, stream_slots)
 from pallas_kernels.mosaic_gpu.dkv import dkv_kernel
@@ -198,8 +198,9 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     size = dict(zip(grid_names, grid))
     if "split" not in size and launch_side_by_side(
         causal=opts.is_causal, persistent=False, batch=size["batch"], heads=size["heads"],
-        num_sms=num_sms):
-      return grid[::-1], grid_names[::-1]
+        tiles=grid[0], num_sms=num_sms):
+      grid, grid_names = grid[::-1], grid_names[::-1]
+    check_launch(grid, grid_names)
     return grid, grid_names
 
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of

@@ -57,6 +57,21 @@ MIN_REGISTERS = 24
 DEFAULT_CONSUMER_REGISTERS = {2: 232, 3: 160}
 
 
+def check_launch(grid, names):
+  """NotImplementedError unless a launched grid fits CUDA's: Mosaic GPU puts its last
+  axis on x (up to 2^31 - 1 blocks), the one before on y and the product of the rest
+  on z (up to CUDA_GRID_YZ each)."""
+  grid = (1,) * (3 - len(grid)) + tuple(grid)
+  names = ("",) * (len(grid) - len(names)) + tuple(names)
+  z, y, x = math.prod(grid[:-2]), grid[-2], grid[-1]
+  if z > CUDA_GRID_YZ or y > CUDA_GRID_YZ or x > 2 ** 31 - 1:
+    shape = ", ".join(f"{n}={g}" for n, g in zip(names, grid) if n)
+    raise NotImplementedError(
+        f"a launched grid of ({shape}) blocks: CUDA's grid takes at most {CUDA_GRID_YZ} "
+        f"on y ({names[-2] or '-'}: {y}) and z ({' x '.join(n for n in names[:-2] if n) or '-'}: "
+        f"{z}) and 2^31 - 1 on x")
+
+
 def device_sms(num_sms: int | None, interpret: bool) -> int:
   """The multiprocessors a grid is laid out for (a persistent grid's programs, a causal
   launched grid's order): `num_sms` where given, else the device's, 2 when interpreted

@@ -79,25 +79,27 @@ def default_config(head_dim: int, causal: bool = False, seq_q: int | None = None
 
 
 def launch_side_by_side(*, causal: bool, persistent: bool, batch: int, heads: int,
-                        num_sms: int) -> bool:
-  """Whether a launched grid of (tiles, heads, batch) under a causal mask (the
-  forward's over query blocks, each backward kernel's over its own tiles) is reversed
-  to (batch, heads, tiles), so that each (batch, head)'s tiles, heaviest first, launch
-  side by side rather than one level (a tile of each pair) at a time: where a
-  level-by-level round of num_sms programs would hold a different pair in each
-  (batch x heads >= num_sms). Side by side, a pair's programs read its streamed tiles
+                        tiles: int, num_sms: int | None) -> bool:
+  """Whether a launched grid of (tiles, heads, batch) (the forward's over query blocks,
+  each backward kernel's over its own tiles) is reversed to (batch, heads, tiles), so
+  that each (batch, head)'s tiles, heaviest first, launch side by side rather than one
+  level (a tile of each pair) at a time. Mosaic GPU maps a grid's last axis to CUDA's
+  x (up to 2^31 - 1 blocks) and its first to z (up to CUDA_GRID_YZ), so: where the
+  level-by-level grid cannot launch (more than CUDA_GRID_YZ tiles: past 8.4M rows in
+  tiles of 128) and the reversed one can (batch <= CUDA_GRID_YZ); and under a causal
+  mask where a level-by-level round of num_sms programs would hold a different pair in
+  each (batch x heads >= num_sms). Side by side, a pair's programs read its streamed tiles
   through L2 together, where level by level each program of such a round streams its
   own pair's from HBM: at 1K d128 causal (batch 16 x 16 heads, 256 pairs on 132 SMs)
   the forward 346.5 TF/s against 284.2 on an H100 (ab_l2_order_h100.json), the Mosaic
   GPU backward's forward+backward 291.9 against 249.6 (ab_bwd_order_h100.json). With
   fewer pairs a round already holds several tiles of each, and side by side the last
   pairs' heaviest tiles run on after the rest of the launch: forward, 16K d128 causal
-  (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1. Mosaic
-  GPU maps a grid's last axis to CUDA's x and its first to z, so the reversed grid
-  needs batch <= CUDA_GRID_YZ. A persistent grid orders its items itself
-  (`scheduler.item_coords`)."""
-  return (causal and not persistent and batch <= CUDA_GRID_YZ
-          and batch * heads >= num_sms)
+  (16 pairs) 582.5 against 635.4, GQA 32/8 8K causal (64) 572.2 against 618.1. A
+  persistent grid orders its items itself (`scheduler.item_coords`)."""
+  if persistent or batch > CUDA_GRID_YZ:
+    return False
+  return tiles > CUDA_GRID_YZ or (causal and batch * heads >= num_sms)
 
 
 # -- the backward ---------------------------------------------------------------------------
@@ -242,9 +244,11 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     the same there (one key head per query head), the only branch that reads them."""
   B, S, K, H = k_shape
   T, grouped = q_shape[1], q_shape[2] > K
-  side_by_side = (num_sms is not None and config.group_splits == 1
+  # The order's performance rule alone (tiles=0): a grid too long for level by level
+  # comes only far above MHA_MIN_SEQ.
+  side_by_side = (causal and num_sms is not None and config.group_splits == 1
                   and launch_side_by_side(causal=causal, persistent=config.persistent,
-                                          batch=B, heads=K, num_sms=num_sms))
+                                          batch=B, heads=K, tiles=0, num_sms=num_sms))
   if causal and dkv_programs(B, K, S, H, config) < CAUSAL_MIN_PROGRAMS:
     return False
   if by_role(H):
