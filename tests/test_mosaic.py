@@ -545,6 +545,7 @@ def test_device_sms():
   """The multiprocessors a grid is laid out for: as given, 2 interpreted, the device's
   otherwise (none on a CPU: lowering needs it given); a clear error for a bad value."""
   assert common.device_sms(132, interpret=False) == 132
+  assert type(common.device_sms(np.int64(132), interpret=False)) is int
   assert common.device_sms(None, interpret=True) == 2
   if INTERPRET:     # off a GPU
     with pytest.raises(ValueError, match="num_sms is needed off a GPU"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -81,9 +82,9 @@ def device_sms(num_sms: int | None, interpret: bool) -> int:
     num_sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None)
     if num_sms is None:
       raise ValueError("num_sms is needed off a GPU (lowering only)")
-  if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+  if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1:
     raise ValueError(f"num_sms={num_sms!r} must be a positive int")
-  return num_sms
+  return int(num_sms)
 
 
 def launch_registers(consumers: int) -> int:
