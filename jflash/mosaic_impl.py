@@ -24,6 +24,7 @@ from jflash.masks import Masks, kernel_records
 from jflash.platforms import device_capability, is_hopper
 from pallas_kernels.mosaic_gpu import configs, heuristics
 from pallas_kernels.mosaic_gpu.backward import flash_backward
+from pallas_kernels.mosaic_gpu.common import device_sms
 from pallas_kernels.mosaic_gpu.forward import flash_forward
 
 # The device kinds (jflash.platforms.device_kinds) where `implementation=None` tries
@@ -92,7 +93,7 @@ def backward_kind(q, k, cfg, masks: Masks, num_sms: int | None = None) -> str:
   except NotImplementedError:
     return "pallas"
   if num_sms is None and jax.default_backend() == "gpu":
-    num_sms = getattr(jax.devices()[0], "core_count", None)
+    num_sms = device_sms(None, interpret=False)
   wins = heuristics.mosaic_backward_wins(q.shape, k.shape, causal=masks.is_causal,
                                          config=config, num_sms=num_sms)
   return "mosaic_gpu" if wins else "pallas"

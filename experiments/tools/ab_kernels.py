@@ -126,24 +126,23 @@ def cell_inputs(case):
   return q, k, v, do
 
 
-CONFIG_CLASSES = {"pallas": "PallasConfig", "mosaic_gpu": "MosaicGPUConfig",
-                  "xla_chunked": "ChunkedConfig", "hip": "HipConfig"}
-
-
 def programs(loaded, case, mode, inputs, implementation="pallas", config=None):
   """One tree's compiled program for `mode`, traced under that tree's packages; `config`:
-  fields of the implementation's config, built from that tree's own config class."""
+  fields of the implementation's config, built from the config type that tree's
+  registry gives it."""
   attention, modules = loaded
-  options = {}
-  if config:
-    if implementation not in CONFIG_CLASSES:
-      raise ValueError(f"--config needs --implementation of {sorted(CONFIG_CLASSES)}, "
-                       f"not {implementation!r}")
-    options["config"] = getattr(modules["jflash"], CONFIG_CLASSES[implementation])(**config)
-  attn = functools.partial(attention, is_causal=case.causal, implementation=implementation,
-                           **options)
-  f = (lambda q, k, v, do: attn(q, k, v)) if mode == "fwd" else runner.fwd_bwd(attn)
   with package(modules):
+    options = {}
+    if config:
+      if implementation is None:
+        raise ValueError("--config needs a named --implementation, not auto")
+      config_type = modules["jflash.api"].get_implementation(implementation).config_type
+      if config_type is None:
+        raise ValueError(f"--config: implementation {implementation!r} takes no config")
+      options["config"] = config_type(**config)
+    attn = functools.partial(attention, is_causal=case.causal,
+                             implementation=implementation, **options)
+    f = (lambda q, k, v, do: attn(q, k, v)) if mode == "fwd" else runner.fwd_bwd(attn)
     return jax.jit(f).lower(*inputs).compile()
 
 

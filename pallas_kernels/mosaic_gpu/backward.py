@@ -62,7 +62,7 @@ from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, by_role, check_ba
                                                dkv_keys, dq_consumers_of, stream_slots)
 from pallas_kernels.mosaic_gpu.dkv import dkv_kernel
 from pallas_kernels.mosaic_gpu.dq import dq_kernel
-from pallas_kernels.mosaic_gpu.heuristics import launch_side_by_side
+from pallas_kernels.mosaic_gpu.heuristics import launched_grid
 from pallas_kernels.mosaic_gpu.scheduler import PersistentGrid
 
 
@@ -190,18 +190,14 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
     return PersistentGrid(items, min(num_sms, items), grid, config.l2_group)
 
   def grid_of(grid, grid_names):
-    """The launch's grid and axis names: a launched grid of (tiles, heads, batch)
-    reversed where `launch_side_by_side`, as the forward's (a grid split over the
-    group's heads keeps its order)."""
+    """The launch's grid and axis names: a launched grid ordered as the forward's
+    (`launched_grid`); one split over the group's heads keeps its order."""
     if config.persistent:
       return (persistent_grid(grid).programs,), ("sm",)
-    size = dict(zip(grid_names, grid))
-    if "split" not in size and launch_side_by_side(
-        causal=opts.is_causal, persistent=False, batch=size["batch"], heads=size["heads"],
-        tiles=grid[0], num_sms=num_sms):
-      grid, grid_names = grid[::-1], grid_names[::-1]
-    check_launch(grid, grid_names)
-    return grid, grid_names
+    if "split" in grid_names:
+      check_launch(grid, grid_names)
+      return grid, grid_names
+    return launched_grid(grid, grid_names, causal=opts.is_causal, num_sms=num_sms)
 
   # -- dK, dV: consumers x ROWS keys per program (ROWS when split by role), query tiles of
   # block_n rows

@@ -40,12 +40,12 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import out_type, round_up
 from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
                                     query_block_order, structured_keep)
-from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, check_launch, compiler_params,
+from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params,
                                               device_sms, import_plgpu, load_vector, map_rows,
                                               pad_axis, rows_are_swizzle_rows, tile_smem,
                                               Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
-from pallas_kernels.mosaic_gpu.heuristics import default_config, launch_side_by_side
+from pallas_kernels.mosaic_gpu.heuristics import default_config, launched_grid
 from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
 
 # Lazy rescaling (FlashAttention-4's conditional rescaling). The online softmax's
@@ -564,16 +564,15 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   )
   names = [*in_names, "out", "lse", *scratch]
   items_grid = (num_q_blocks, N, B)
-  grid, grid_names, num_ctas = items_grid, ("q", "heads", "batch"), None
   if config.persistent or opts.is_causal:
     num_sms = device_sms(num_sms, interpret)
-  if launch_side_by_side(causal=opts.is_causal, persistent=config.persistent, batch=B,
-                         heads=N, tiles=num_q_blocks, num_sms=num_sms):
-    grid, grid_names = items_grid[::-1], ("batch", "heads", "q")
   if config.persistent:
     num_ctas = min(num_sms, math.prod(items_grid))
     grid, grid_names = (num_ctas,), ("sm",)
-  check_launch(grid, grid_names)
+  else:
+    num_ctas = None
+    grid, grid_names = launched_grid(items_grid, ("q", "heads", "batch"),
+                                     causal=opts.is_causal, num_sms=num_sms)
   kernel = functools.partial(
       _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
       items_grid=items_grid, num_ctas=num_ctas, rows_view=rows_view,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.mosaic_gpu.common import (CUDA_GRID_YZ, MAX_BARRIERS, ROWS, SMEM_BYTES,
-                                              table_head_dim)
+                                              check_launch, table_head_dim)
 from pallas_kernels.mosaic_gpu.configs import (BackwardConfig, MosaicConfig,
                                                backward_smem_bytes, by_role,
                                                dkv_programs, dq_consumers_of,
@@ -100,6 +100,17 @@ def launch_side_by_side(*, causal: bool, persistent: bool, batch: int, heads: in
   if persistent or batch > CUDA_GRID_YZ:
     return False
   return tiles > CUDA_GRID_YZ or (causal and batch * heads >= num_sms)
+
+
+def launched_grid(grid, names, *, causal: bool, num_sms: int | None):
+  """The launch of a grid of (tiles, heads, batch), as axis sizes and names: reversed
+  where `launch_side_by_side`, and within CUDA's limits (`check_launch`)."""
+  size = dict(zip(names, grid))
+  if launch_side_by_side(causal=causal, persistent=False, batch=size["batch"],
+                         heads=size["heads"], tiles=grid[0], num_sms=num_sms):
+    grid, names = grid[::-1], names[::-1]
+  check_launch(grid, names)
+  return grid, names
 
 
 # -- the backward ---------------------------------------------------------------------------
@@ -244,11 +255,6 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     the same there (one key head per query head), the only branch that reads them."""
   B, S, K, H = k_shape
   T, grouped = q_shape[1], q_shape[2] > K
-  # The order's performance rule alone (tiles=0): a grid too long for level by level
-  # comes only far above MHA_MIN_SEQ.
-  side_by_side = (causal and num_sms is not None and config.group_splits == 1
-                  and launch_side_by_side(causal=causal, persistent=config.persistent,
-                                          batch=B, heads=K, tiles=0, num_sms=num_sms))
   if causal and dkv_programs(B, K, S, H, config) < CAUSAL_MIN_PROGRAMS:
     return False
   if by_role(H):
@@ -257,6 +263,11 @@ def mosaic_backward_wins(q_shape, k_shape, *, causal: bool, config: BackwardConf
     min_seq = (D64_GROUPED_MIN_SEQ if grouped else
                D64_CAUSAL_MIN_SEQ if causal else D64_MIN_SEQ)
     return H == 64 and min(T, S) >= min_seq
+  # The order's performance rule alone (tiles=0): a grid too long for level by level
+  # comes only far above MHA_MIN_SEQ.
+  side_by_side = (causal and num_sms is not None and config.group_splits == 1
+                  and launch_side_by_side(causal=causal, persistent=config.persistent,
+                                          batch=B, heads=K, tiles=0, num_sms=num_sms))
   min_seq = (MHA_PERSISTENT_MIN_SEQ if config.persistent else
              MHA_SIDE_BY_SIDE_MIN_SEQ if side_by_side else MHA_MIN_SEQ)
   return grouped or min(T, S) >= min_seq
