@@ -186,9 +186,14 @@ def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, mode: s
 
 # -- timing --------------------------------------------------------------------------
 
+def _calls_to_fill(round_s: float, one: float) -> int:
+  """How many back-to-back calls of `one` seconds fill `round_s`: at least 1 and at most
+  500, so that launch gaps do not count."""
+  return int(min(max(1, round_s / max(one, 1e-6)), 500))
+
+
 def _calls_for(fn, sets, warmup: int, round_s: float, sync) -> tuple[int, float]:
-  """`warmup` calls, the last one timed as an estimate: (how many back-to-back calls
-  fill `round_s`, at least 1 and at most 500 so that launch gaps do not count; the
+  """`warmup` calls, the last one timed as an estimate: (`_calls_to_fill` for it, the
   estimate in seconds)."""
   n = len(sets)
   one = 0.0
@@ -196,7 +201,7 @@ def _calls_for(fn, sets, warmup: int, round_s: float, sync) -> tuple[int, float]
     t = time.perf_counter()
     sync(fn(*sets[(i + 1) % n]))
     one = time.perf_counter() - t
-  return int(min(max(1, round_s / max(one, 1e-6)), 500)), one
+  return _calls_to_fill(round_s, one), one
 
 
 def _round(fn, sets, calls: int, sync) -> float:
@@ -257,7 +262,10 @@ def time_alternating(programs: dict, *, rounds: int = 7, round_s: float = 0.05,
   then `rounds` rounds in which each program runs its calls back to back (`round_s`
   long), in the order `round_order` gives. The median over rounds of each program is
   its time; the rounds are kept (`s_by_round`) so a ratio can be read round by round
-  too."""
+  too. A program's calls per round are counted from one timed call (`_calls_for`), then
+  again from each of its warm rounds: a single call can catch the card at its idle
+  clock, and a round of too few calls then measures its wait for completion more than
+  the calls."""
   records, live, calls = {}, [], {}
   for n, (fn, sets, sync) in programs.items():
     try:
@@ -277,6 +285,8 @@ def time_alternating(programs: dict, *, rounds: int = 7, round_s: float = 0.05,
       return
     if record:
       times[n].append(t)
+    else:
+      calls[n] = _calls_to_fill(round_s, t)
 
   t_end = time.perf_counter() + warm_s
   while live and time.perf_counter() < t_end:

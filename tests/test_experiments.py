@@ -456,7 +456,22 @@ def test_alternating_timing_gives_identical_programs_identical_times(monkeypatch
   times = common.time_alternating({"a": card.program("a"), "b": card.program("b")},
                                   rounds=5, round_s=4.0, warm_s=40.0)
   assert times["a"]["median_s"] == times["b"]["median_s"] == card.hot
-  assert times["a"]["s_by_round"] == [card.hot] * 5 and times["a"]["calls_per_round"] == 4
+  # Calls per round counted again from the warm rounds: 4 s of the held card's 1.25 s calls.
+  assert times["a"]["s_by_round"] == [card.hot] * 5 and times["a"]["calls_per_round"] == 3
+
+
+def test_alternating_timing_counts_calls_per_round_from_the_warm_rounds(monkeypatch):
+  from experiments import common
+  card = PowerCappedCard(heat_s=1e9)
+  monkeypatch.setattr(common.time, "perf_counter", lambda: card.now)
+  calls = []
+
+  def first_call_slow():    # its one estimating call catches the card at its idle clock
+    card.now += 20.0 if not calls else 1.0
+    calls.append(1)
+  times = common.time_alternating({"a": (first_call_slow, ((),), lambda o: o)},
+                                  rounds=3, round_s=10.0, warm_s=5.0, warmup=1)
+  assert times["a"]["calls_per_round"] == 10 and times["a"]["s_by_round"] == [1.0] * 3
 
 
 def test_alternating_timing_balances_the_order_of_the_programs(monkeypatch):
