@@ -271,7 +271,8 @@ def query_offsets(opts: MaskOptions, *, T, S, q_lengths=None, kv_lengths=None):
 def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, block_k,
                  transpose: bool = False):
   """[B, n, 8] int32 per (batch, block): lo, full_lo, full_hi, hi, q_len, kv_len,
-  query offset (`query_offsets`), 0.
+  query offset (`query_offsets`), 0. A NumPy array (a constant) under static rules
+  alone, a jnp array where lengths or a schedule make it data.
 
   Rows are query blocks (forward, dQ) or, with `transpose`, key blocks (dK/dV). The
   classes of the static rules and of the caller's data-dependent `schedule` combine by
@@ -279,10 +280,13 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
   """
   offset = query_offsets(opts, T=T, S=S, q_lengths=ops.q_lengths, kv_lengths=ops.kv_lengths)
   if ops.schedule is None and ops.q_lengths is None and ops.kv_lengths is None:
-    # Static rules only: the ranges are a constant, computed here in closed form.
+    # Static rules only: the ranges are a constant, computed here in closed form and
+    # returned as a NumPy array, which a jitted caller embeds in the executable. (A jnp
+    # broadcast over the batch is an XLA broadcast that XLA's constant folding leaves
+    # alone: a kernel of its own before every call.)
     r = ranges_static(T, S, block_q, block_k, opts, offset, transpose)
     r = np.concatenate([r, np.tile(np.array([[T, S, offset, 0]], np.int32), (len(r), 1))], -1)
-    return jnp.asarray(np.broadcast_to(r[None], (B, *r.shape)))
+    return np.ascontiguousarray(np.broadcast_to(r[None], (B, *r.shape)))
   per_row = not isinstance(offset, int)
   static = classes_static(T, S, block_q, block_k, opts,
                           offset[:, None, None] if per_row else offset)

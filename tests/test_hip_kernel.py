@@ -332,7 +332,8 @@ def test_malformed_ranges_cannot_read_outside_the_arrays(runner):
   from pallas_kernels.masking import MaskOperands, MaskOptions, build_ranges
   q, k, v, _ = random_qkv((1, 70, 90, 2, 1, 64), jnp.float16, seed=13)
   bq, bk, _ = hip_ffi.tile_table()[64][0]
-  good = build_ranges(MaskOperands(), MaskOptions(), B=1, T=70, S=90, block_q=bq, block_k=bk)
+  good = jnp.asarray(build_ranges(MaskOperands(), MaskOptions(), B=1, T=70, S=90,
+                                  block_q=bq, block_k=bk))
   n = -(-90 // bk)
   bad = good.at[..., 0].set(-7).at[..., 1].set(-3).at[..., 2].set(10 * n).at[..., 3].set(
       10 * n).at[..., 4].set(1 << 30).at[..., 5].set(1 << 30)

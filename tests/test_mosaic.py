@@ -624,6 +624,24 @@ def test_causal_launch_order_lowered(num_sms, blocks):
   assert launch_grid(kernel_modules(lowered(f, q, q, q))[0]) == blocks
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_static_ranges_are_constants_of_the_executable(causal):
+  """Under static rules the tile ranges are computed at trace time and embedded: the
+  forward's and the backward's calls lowered for CUDA (2 x 1K, 4 x 128; the default
+  config, three consumers with their own ranges when causal) hold no int32 broadcast
+  or pad, which XLA's constant folding would leave to run as kernels before each call."""
+  q = _shape(2, 1024, 4, 128, jnp.bfloat16)
+  opts = MaskOptions(is_causal=causal)
+  f = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=opts, num_sms=132)
+  from pallas_kernels.mosaic_gpu import backward as mb
+  g = lambda q, k, v: mb.flash_backward(
+      q, k, v, q, jnp.zeros((2, 4, 1024), jnp.float32), q, scale=0.125, opts=opts, num_sms=132)
+  for text in (lowered(f, q, q, q), lowered(g, q, q, q)):
+    host = [line for line in text.splitlines() if "custom_call" not in line]  # kernels out
+    assert not [line for line in host
+                if re.search(r"stablehlo\.(broadcast_in_dim|pad)\b.*xi32>", line)]
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's race detector")
 @pytest.mark.parametrize("variant, persistent", [({}, False), (THREE, False), ({}, True),
                                                  (SCORES_AHEAD, True)])

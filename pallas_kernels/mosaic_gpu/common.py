@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels.common import round_up
@@ -231,12 +232,14 @@ def map_rows(n: int, tile: int, interpret: bool, rows_view: bool = False) -> int
 
 
 def pad_axis(x, n: int, axis: int, fill=0):
-  """x zero-padded (or `fill`-padded) along `axis` to length n (no copy when it has n)."""
+  """x zero-padded (or `fill`-padded) along `axis` to length n (no copy when it has n); a
+  NumPy array (a constant, `build_ranges`) stays one."""
   if x.shape[axis] == n:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, n - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=fill)
+  xp = np if isinstance(x, np.ndarray) else jnp
+  return xp.pad(x, widths, constant_values=fill)
 
 
 def compiler_params():
