@@ -29,6 +29,7 @@ from jflash import api, mosaic_impl
 from jflash.masks import Masks, dense_keep_numpy, kernel_records
 from pallas_kernels.masking import MaskOperands, MaskOptions
 from pallas_kernels.mosaic_gpu import common, configs, heuristics, scheduler
+from pallas_kernels.mosaic_gpu import backward as mb
 from pallas_kernels.mosaic_gpu import forward as mf
 from tests.attention_test_base import AttentionTestBase, random_qkv
 from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
@@ -633,7 +634,6 @@ def test_static_ranges_are_constants_of_the_executable(causal):
   q = _shape(2, 1024, 4, 128, jnp.bfloat16)
   opts = MaskOptions(is_causal=causal)
   f = lambda q, k, v: mf.flash_forward(q, k, v, scale=0.125, opts=opts, num_sms=132)
-  from pallas_kernels.mosaic_gpu import backward as mb
   g = lambda q, k, v: mb.flash_backward(
       q, k, v, q, jnp.zeros((2, 4, 1024), jnp.float32), q, scale=0.125, opts=opts, num_sms=132)
   for text in (lowered(f, q, q, q), lowered(g, q, q, q)):
