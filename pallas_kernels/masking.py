@@ -190,69 +190,109 @@ def classes_static(T, S, block_q, block_k, opts: MaskOptions, offset=0):
 def ranges_static(T, S, block_q, block_k, opts: MaskOptions, offset: int = 0,
                   transpose: bool = False):
   """`ranges_from_classes(classes_static(...))` (its `.T` with `transpose`) for an int
-  `offset`, in closed form: [n, 4] int32 in O(n) time and memory, where the table is
-  [nq, nk] (at 1M tokens in tiles of 128, 67M classes and int64 intermediates of eight
-  times that). Each rule keeps an interval of the other side's tiles, bounded by floor
-  and ceiling divisions of a tile's first and last positions; their intersection is
-  the visited run, and the tiles that every rule keeps whole (FULL, one contiguous run
-  inside it) the unmasked one.
+  `offset`, in closed form (`static_range` of every row): [n, 4] int32 in O(n) time and
+  memory, where the table is [nq, nk] (at 1M tokens in tiles of 128, 67M classes)."""
+  n = -(-S // block_k) if transpose else -(-T // block_q)
+  rows = static_range(np.arange(n, dtype=np.int64), T=T, S=S, block_q=block_q,
+                      block_k=block_k, opts=opts, offset=offset, transpose=transpose)
+  return np.stack(rows, -1).astype(np.int32)
 
-  Rows r0..r1 of query block i sit at i bq + offset .. min(i bq + bq, T) - 1 + offset;
-  keys c0..c1 of key tile j at j bk .. j bk + bk - 1, of which c1 < S for a whole tile.
-  A key tile is visible to a row block where some (row, key) pair is (causal: c0 <= r1;
-  window: c0 <= r1 + right and min(c1, S - 1) >= r0 - left), FULL where every pair of
-  the whole tile is (c1 < S; causal: c1 <= r0; window: c0 >= r1 - left and
-  c1 <= r0 + right), which implies visible."""
+
+def static_range(i, *, T, S, block_q, block_k, opts: MaskOptions, offset: int = 0,
+                 transpose: bool = False):
+  """(lo, full_lo, full_hi, hi) of row block i under the static rules (causal, window,
+  the clipped last key tile), in closed form: i a NumPy array of rows (`ranges_static`)
+  or a kernel's traced int32 block index (`StaticRanges`), which then needs no table.
+  A row past the end (a kernel's padding) is empty.
+
+  Each rule keeps an interval of the other side's tiles, bounded by floor and ceiling
+  divisions of a tile's first and last positions; their intersection is the visited
+  run, and the tiles that every rule keeps whole (FULL, one contiguous run inside it)
+  the unmasked one. Rows r0..r1 of query block i sit at i bq + offset .. min(i bq + bq,
+  T) - 1 + offset; keys c0..c1 of key tile j at j bk .. j bk + bk - 1, of which c1 < S
+  for a whole tile. A key tile is visible to a row block where some (row, key) pair is
+  (causal: c0 <= r1; window: c0 <= r1 + right and min(c1, S - 1) >= r0 - left), FULL
+  where every pair of the whole tile is (c1 < S; causal: c1 <= r0; window: c0 >= r1 -
+  left and c1 <= r0 + right), which implies visible.
+
+  A window side of T + S or more hides nothing (positions span less), so sides are
+  clipped there and every term stays under 4 (T + S) in magnitude: int32 in a kernel.
+  """
+  xp = np if isinstance(i, np.ndarray) else jnp
+  if xp is jnp:
+    i = jnp.asarray(i, jnp.int32)
   nq, nk = -(-T // block_q), -(-S // block_k)
-  inf = np.int64(2 ** 62)
-  up = lambda a, b: -(-a // b)                        # ceiling division
+  limit = T + S
   causal, window = opts.is_causal, opts.window
-  left, right = window if window is not None else (inf, inf)
+  left, right = (min(w, limit) for w in window) if window is not None else (limit, limit)
+  down = functools.partial(_floor_div, xp=xp)
+  up = lambda a, b: down(a + (b - 1), b)               # ceiling division
   if not transpose:       # rows: query blocks; ranges over key tiles
-    n, m = nq, nk
-    r0 = np.arange(nq, dtype=np.int64) * block_q + offset
-    r1 = np.minimum(r0 - offset + block_q, T) - 1 + offset
-    lo = np.zeros(n, np.int64)
-    hi = np.full(n, m, np.int64)
+    m = nk
+    r0 = i * block_q + offset
+    r1 = xp.minimum(i * block_q + block_q, T) - 1 + offset
+    lo = xp.maximum(0, down(r0 - left, block_k))
+    hi = xp.minimum(m, down(r1 + right, block_k) + 1)
     if causal:
-      hi = np.minimum(hi, r1 // block_k + 1)
-    lo = np.maximum(lo, (r0 - left) // block_k)
-    hi = np.minimum(hi, (r1 + right) // block_k + 1)
-    visible = (lo < hi) & (S - 1 >= r0 - left)
-    f_lo = np.maximum(0, up(r1 - left, block_k))
-    f_hi = np.full(n, S // block_k, np.int64)
+      hi = xp.minimum(hi, down(r1, block_k) + 1)
+    visible = (lo < hi) & (S - 1 >= r0 - left) & (i < nq)
+    f_lo = xp.maximum(0, up(r1 - left, block_k))
+    f_hi = xp.minimum(S // block_k, down(r0 + right + 1, block_k))
     if causal:
-      f_hi = np.minimum(f_hi, (r0 + 1) // block_k)
-    f_hi = np.minimum(f_hi, (r0 + right + 1) // block_k)
+      f_hi = xp.minimum(f_hi, down(r0 + 1, block_k))
   else:                   # rows: key tiles; ranges over query blocks
-    n, m = nk, nq
-    c0 = np.arange(nk, dtype=np.int64) * block_k
+    m = nq
+    c0 = i * block_k
     c1 = c0 + block_k - 1
     last_row = T - 1 + offset                        # position of the last query
-    lo = np.zeros(n, np.int64)
-    hi = np.full(n, m, np.int64)
-    visible = np.ones(n, bool)
-    if causal:            # r1(i) >= c0
-      lo = np.maximum(lo, (c0 - offset) // block_q)
-      visible &= last_row >= c0
     # r1(i) >= c0 - right, and r0(i) <= min(c1, S - 1) + left
-    lo = np.maximum(lo, (c0 - right - offset) // block_q)
-    visible &= last_row >= c0 - right
-    hi = np.minimum(hi, (np.minimum(c1, S - 1) + left - offset) // block_q + 1)
-    visible &= lo < hi
-    f_lo = np.zeros(n, np.int64)
-    f_hi = np.where(c1 < S, m, 0)
-    if causal:            # r0(i) >= c1
-      f_lo = np.maximum(f_lo, up(c1 - offset, block_q))
+    lo = xp.maximum(0, down(c0 - right - offset, block_q))
+    hi = xp.minimum(m, down(xp.minimum(c1, S - 1) + left - offset, block_q) + 1)
+    visible = (last_row >= c0 - right) & (i < nk)
+    if causal:            # r1(i) >= c0
+      lo = xp.maximum(lo, down(c0 - offset, block_q))
+      visible = visible & (last_row >= c0)
+    visible = visible & (lo < hi)
     # r1(i) <= c0 + left (every block's, where the last query's is), r0(i) >= c1 - right
-    f_hi = np.minimum(f_hi, np.where(last_row <= c0 + left, m,
-                                     (c0 + left - offset + 1) // block_q))
-    f_lo = np.maximum(f_lo, up(c1 - right - offset, block_q))
-  lo, hi = np.where(visible, lo, 0), np.where(visible, hi, 0)
+    f_lo = xp.maximum(0, up(c1 - right - offset, block_q))
+    if causal:            # r0(i) >= c1
+      f_lo = xp.maximum(f_lo, up(c1 - offset, block_q))
+    f_hi = xp.where(c1 < S, xp.where(last_row <= c0 + left, m,
+                                     down(c0 + left - offset + 1, block_q)), 0)
+  lo, hi = xp.where(visible, lo, 0), xp.where(visible, hi, 0)
   full = visible & (f_lo < f_hi)
-  full_lo = np.where(full, f_lo, lo)
-  full_hi = np.where(full, np.minimum(f_hi, hi), lo)
-  return np.stack([lo, full_lo, full_hi, hi], -1).astype(np.int32)
+  full_lo = xp.where(full, f_lo, lo)
+  full_hi = xp.where(full, xp.minimum(f_hi, hi), lo)
+  return lo, full_lo, full_hi, hi
+
+
+def _floor_div(a, b: int, xp):
+  """floor(a / b) for a positive int b. A kernel's integer division truncates toward
+  zero (PTX ISA, div.s32), one less where that rounded a negative quotient up."""
+  if xp is np:
+    return a // b
+  q = lax.div(a, jnp.int32(b))
+  return q - (q * b > a).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRanges:
+  """The ranges of the static rules alone (`build_ranges(..., closed_form=True)`): a
+  kernel computes row i from its block index (`static_range`) where it would load
+  `build_ranges`' row; every batch row has the same, with kv_len = S."""
+
+  T: int
+  S: int
+  block_q: int
+  block_k: int
+  opts: MaskOptions
+  offset: int = 0
+  transpose: bool = False
+
+  def row(self, i):
+    """(lo, full_lo, full_hi, hi) of block i (an int32 scalar)."""
+    return static_range(i, T=self.T, S=self.S, block_q=self.block_q, block_k=self.block_k,
+                        opts=self.opts, offset=self.offset, transpose=self.transpose)
 
 
 def query_offsets(opts: MaskOptions, *, T, S, q_lengths=None, kv_lengths=None):
@@ -269,10 +309,12 @@ def query_offsets(opts: MaskOptions, *, T, S, q_lengths=None, kv_lengths=None):
 
 
 def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, block_k,
-                 transpose: bool = False):
+                 transpose: bool = False, closed_form: bool = False):
   """[B, n, 8] int32 per (batch, block): lo, full_lo, full_hi, hi, q_len, kv_len,
   query offset (`query_offsets`), 0. A NumPy array (a constant) under static rules
-  alone, a jnp array where lengths or a schedule make it data.
+  alone, a jnp array where lengths or a schedule make it data. With `closed_form`, the
+  static rules' ranges come as a `StaticRanges`, from which a kernel computes its
+  blocks' rows (no table, no load before a program's first copy).
 
   Rows are query blocks (forward, dQ) or, with `transpose`, key blocks (dK/dV). The
   classes of the static rules and of the caller's data-dependent `schedule` combine by
@@ -284,6 +326,8 @@ def build_ranges(ops: MaskOperands, opts: MaskOptions, *, B, T, S, block_q, bloc
     # returned as a NumPy array, which a jitted caller embeds in the executable. (A jnp
     # broadcast over the batch is an XLA broadcast that XLA's constant folding leaves
     # alone: a kernel of its own before every call.)
+    if closed_form:
+      return StaticRanges(T, S, block_q, block_k, opts, offset, transpose)
     r = ranges_static(T, S, block_q, block_k, opts, offset, transpose)
     r = np.concatenate([r, np.tile(np.array([[T, S, offset, 0]], np.int32), (len(r), 1))], -1)
     return np.ascontiguousarray(np.broadcast_to(r[None], (B, *r.shape)))

@@ -16,7 +16,7 @@ import numpy as np
 import jflash
 from jflash.masks import Masks, tile_classes, visited_tiles
 from pallas_kernels.masking import (MaskOperands, MaskOptions, build_ranges, classes_static,
-                                    ranges_from_classes, ranges_static)
+                                    ranges_from_classes, ranges_static, static_range)
 from pallas_kernels.tuning import default_block_sizes
 from tests.attention_test_base import floor, max_err
 from tests.mask_test_base import FLOAT32_CASES, FULLY_MASKED_CASES, MaskTestBase
@@ -142,9 +142,11 @@ def test_static_ranges_closed_form_equal_the_class_table():
   """`ranges_static` (what `build_ranges` returns for the static rules) equals the
   ranges of the [nq, nk] class table, for both orientations, over seeded draws of
   lengths off the tiles, tile sizes, causal or not, windows up to INT32_MAX on either
-  side and query offsets from -T to S (bottom-right alignment with S < T or S > T)."""
+  side and query offsets from -T to S (bottom-right alignment with S < T or S > T);
+  and so does `static_range` on int32 block indices (a kernel's), whose division
+  truncates, with the row past the end empty."""
   rng = np.random.default_rng(0)
-  for _ in range(3000):
+  for draw in range(3000):
     T, S = (int(x) for x in rng.choice([1, 7, 64, 65, 197, 300, 513], 2))
     bq, bk = int(rng.choice([16, 64, 192])), int(rng.choice([16, 64, 128]))
     sides = [0, 1, 7, 64, 100, 1000, 2 ** 31 - 1]
@@ -156,6 +158,12 @@ def test_static_ranges_closed_form_equal_the_class_table():
       want = ranges_from_classes(table.T if transpose else table, xp=np)
       got = ranges_static(T, S, bq, bk, opts, offset, transpose)
       assert np.array_equal(got, want), (T, S, bq, bk, opts, offset, transpose)
+      if draw % 20 == 0:   # a kernel's form: int32 block indices, one past the end too
+        i = jnp.arange(len(want) + 1, dtype=jnp.int32)
+        kernel = np.stack(static_range(i, T=T, S=S, block_q=bq, block_k=bk, opts=opts,
+                                       offset=offset, transpose=transpose), -1)
+        assert np.array_equal(kernel[:-1], want), (T, S, bq, bk, opts, offset, transpose)
+        assert kernel[-1].tolist() == [0, 0, 0, 0]
 
 
 def test_static_ranges_at_a_million_tokens():

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.common import round_up
-from pallas_kernels.masking import MaskOptions
+from pallas_kernels.masking import MaskOptions, StaticRanges
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -266,8 +266,17 @@ def layouts(interpret, shape):
 
 
 def tile_row(ranges, b, i):
-  """(lo, full_lo, full_hi, hi) of one block's row of the per-tile schedule."""
+  """(lo, full_lo, full_hi, hi) of one block's row of the per-tile schedule: computed
+  from the block index under the static rules alone (`StaticRanges`), else loaded from
+  `build_ranges`' table."""
+  if isinstance(ranges, StaticRanges):
+    return ranges.row(i)
   return tuple(ranges[b, i, t] for t in range(4))
+
+
+def kv_length(ranges, b, i):
+  """The key length a block's element-wise masks clip to (slot 5 of its row)."""
+  return ranges.S if isinstance(ranges, StaticRanges) else ranges[b, i, 5]
 
 
 def logits(s, opts: MaskOptions, scale):

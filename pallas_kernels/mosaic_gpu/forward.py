@@ -38,12 +38,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import out_type, round_up
-from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, build_ranges,
-                                    query_block_order, structured_keep)
+from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, StaticRanges,
+                                    build_ranges, query_block_order, structured_keep)
 from pallas_kernels.mosaic_gpu.common import (LN2, LOG2E, compiler_params,
-                                              device_sms, import_plgpu, load_vector, map_rows,
-                                              pad_axis, rows_are_swizzle_rows, tile_smem,
-                                              Tiles)
+                                              device_sms, import_plgpu, kv_length, load_vector,
+                                              map_rows, pad_axis, rows_are_swizzle_rows,
+                                              tile_row, tile_smem, Tiles)
 from pallas_kernels.mosaic_gpu.configs import MosaicConfig, check_forward, forward_q_slots
 from pallas_kernels.mosaic_gpu.heuristics import default_config, launched_grid
 from pallas_kernels.mosaic_gpu.scheduler import item_coords, persistent_items
@@ -111,12 +111,12 @@ def scale_moved_rows(acc, alpha):
   return scaled(acc, alpha)
 
 
-def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
-            items_grid, num_ctas, rows_view, dtype, interpret):
+def _kernel(*refs, names, static_ranges, opts: MaskOptions, scale, config: MosaicConfig,
+            group, items_grid, num_ctas, rows_view, dtype, interpret):
   plgpu = import_plgpu()
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-  r = dict(zip(names, refs))
+  r = dict(zip(names, refs)) | static_ranges
   # Each tile buffer as the products read it and as the copies move it (`Tiles`).
   (qo_smem, qo_rows), (k_smem, k_rows), (v_smem, v_rows) = (
       Tiles.of(r[name], rows_view) for name in ("qo_smem", "k_smem", "v_smem"))
@@ -181,17 +181,16 @@ def _kernel(*refs, names, opts: MaskOptions, scale, config: MosaicConfig, group,
     schedule_wait()
 
   def tile_range(i, b):
-    ranges = r["ranges"]
-    return tuple(ranges[b, i, t] for t in range(4)) + (ranges[b, i, 5],)
+    return tile_row(r["ranges"], b, i) + (kv_length(r["ranges"], b, i),)
 
   def own_tile_range(i, b, lo, hi):
     """(lo, full_lo, full_hi, hi) of this consumer's own rows (`consumer_ranges`),
     clamped into the program's [lo, hi), whose tiles the producer streams."""
-    own, row = r["own_ranges"], i * C + wg
-    a = jnp.clip(own[b, row, 0], lo, hi)
-    d = jnp.clip(own[b, row, 3], a, hi)
-    full_lo = jnp.clip(own[b, row, 1], a, d)
-    return a, full_lo, jnp.clip(own[b, row, 2], full_lo, d), d
+    own_lo, own_full_lo, own_full_hi, own_hi = tile_row(r["own_ranges"], b, i * C + wg)
+    a = jnp.clip(own_lo, lo, hi)
+    d = jnp.clip(own_hi, a, hi)
+    full_lo = jnp.clip(own_full_lo, a, d)
+    return a, full_lo, jnp.clip(own_full_hi, full_lo, d), d
 
   def release(consumed):
     """A consumer's arrival on a K or V slot's consumed barrier, after which the
@@ -535,17 +534,23 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
   T_map = map_rows(T, rows_per_program, interpret, rows_view)
   S_map = map_rows(S, bk, interpret, rows_view)
   qp, kp, vp = pad_axis(q, T_map, 1), pad_axis(k, S_map, 1), pad_axis(v, S_map, 1)
-  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program, block_k=bk)
-  per_consumer = {}
-  if config.consumer_ranges:     # a row per consumer's block_q rows, empty past T
-    own_ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
-    per_consumer = {"own_ranges": pad_axis(own_ranges, Tp // bq, 1)}
+  # The programs' ranges and, with `consumer_ranges`, a row per consumer's block_q rows
+  # (empty past T): tables the kernel loads, or the static rules' closed form it computes.
+  ranges = {"ranges": build_ranges(ops, opts, B=B, T=T, S=S, block_q=rows_per_program,
+                                   block_k=bk, closed_form=True)}
+  if config.consumer_ranges:
+    ranges["own_ranges"] = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk,
+                                        closed_form=True)
+  static_ranges = {n: x for n, x in ranges.items() if isinstance(x, StaticRanges)}
+  tables = {n: x for n, x in ranges.items() if n not in static_ranges}
+  if "own_ranges" in tables:
+    tables["own_ranges"] = pad_axis(tables["own_ranges"], Tp // bq, 1)
   seg = {}
   if ops.q_segment_ids is not None:
     # Read by plain loads, which nothing bounds: padded with ids that match nothing.
     seg = {"q_seg": pad_axis(ops.q_segment_ids, Tp, 1, FILL["q_seg"]),
            "kv_seg": pad_axis(ops.kv_segment_ids, Sp, 1, FILL["kv_seg"])}
-  in_names = ["q", "k", "v", "ranges", *per_consumer, *seg]
+  in_names = ["q", "k", "v", *tables, *seg]
   stages = max(2, min(config.stages, Sp // bk))
   config = dataclasses.replace(config, stages=stages)
   num_q_blocks = Tp // rows_per_program
@@ -574,7 +579,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
     grid, grid_names = launched_grid(items_grid, ("q", "heads", "batch"),
                                      causal=opts.is_causal, num_sms=num_sms)
   kernel = functools.partial(
-      _kernel, names=names, opts=opts, scale=scale, config=config, group=N // K,
+      _kernel, names=names, static_ranges=static_ranges, opts=opts, scale=scale,
+      config=config, group=N // K,
       items_grid=items_grid, num_ctas=num_ctas, rows_view=rows_view,
       dtype=q.dtype, interpret=interpret)
   extra = {}
@@ -592,7 +598,7 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
       thread_name="wg",
       compiler_params=compiler_params(),
       **extra,
-  )(qp, kp, vp, ranges, *per_consumer.values(), *seg.values())
+  )(qp, kp, vp, *tables.values(), *seg.values())
   # XLA's dynamic-slice fusion (jax 0.11) folds a dynamic-update-slice of a custom
   # call's result (a scan stacking this output as a residual for the backward) into a
   # fusion around the call, and keeps the original call for the output's other users:
