@@ -54,8 +54,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backward import backward_statistics
 from pallas_kernels.common import out_type, round_up
-from pallas_kernels.masking import (FILL, MaskOperands, MaskOptions, StaticRanges,
-                                    build_ranges)
+from pallas_kernels.masking import FILL, MaskOperands, MaskOptions, build_ranges
 from pallas_kernels.mosaic_gpu.common import (ROWS, check_launch, compiler_params, device_sms,
                                               import_plgpu, map_rows, pad_axis,
                                               rows_are_swizzle_rows, smem_layout, tile_smem)
@@ -164,15 +163,13 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
       scratch["acc"] = plgpu.SMEM((len(out_types), C, ROWS, H), jnp.float32)
     if partials:
       scratch["partial_smem"] = plgpu.SMEM((C, fixed_rows, H), jnp.float32, **f32_layout(H))
-    # The ranges: a table the kernel loads, or the static rules' closed form it computes.
-    static_ranges = {"ranges": ranges} if isinstance(ranges, StaticRanges) else {}
-    x = x if static_ranges else x | {"ranges": ranges}
-    in_names = ["q", "k", "v", "do", "lse2", "delta", *(n for n in ("ranges", "q_seg", "kv_seg")
-                                                        if n in x)]
+    in_names = ["q", "k", "v", "do", "lse2", "delta", "ranges",
+                *(n for n in ("q_seg", "kv_seg") if n in x)]
     out_names = ["dq"] if len(out_types) == 1 else ["dk", "dv"]
-    args = [x[n] for n in in_names]
-    body = functools.partial(kernel, static_ranges=static_ranges, opts=opts, scale=scale,
-                             group=group, interpret=interpret, consumers=C, stages=slots,
+    args = [x[n] for n in in_names if n != "ranges"]
+    args.insert(in_names.index("ranges"), ranges)
+    body = functools.partial(kernel, opts=opts, scale=scale, group=group,
+                             interpret=interpret, consumers=C, stages=slots,
                              rows_view=rows_view)
     return plgpu.kernel(
         functools.partial(body, names=[*in_names, *out_names, *scratch]),
@@ -206,8 +203,10 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   # block_n rows
   bq, bk = config.block_n, dkv_keys(H, config)
   Tp, Sp, _, S_map, x = padded(bq, bk)
-  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True,
-                        closed_form=True)
+  # Both kernels load their ranges from `build_ranges`' table (a constant under static
+  # rules), where the forward computes them (`StaticRanges`): computed here they measured
+  # slower (docs/notes/mosaic.md, "Tile ranges computed in the kernels").
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, transpose=True)
   splits = config.group_splits
   grid, grid_names = (Sp // bk, K, B), ("kv", "heads", "batch")
   kv_type = out_type((B, S_map, K, H), k.dtype, q, k, v, dout)
@@ -232,7 +231,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse=None, *, scale: float,
   dq_consumers = dq_consumers_of(H, config)
   bq, bk = dq_consumers * ROWS, config.dq_block_n or config.block_n
   Tp, Sp, T_map, _, x = padded(bq, bk)
-  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk, closed_form=True)
+  ranges = build_ranges(ops, opts, B=B, T=T, S=S, block_q=bq, block_k=bk)
   grid = (Tp // bq, N, B)
   (dq,) = call(functools.partial(dq_kernel, bk=bk, num_q_blocks=Tp // bq,
                                  rows_in_registers=config.dq_rows_in_registers,

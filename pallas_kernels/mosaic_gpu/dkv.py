@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.masking import MaskOptions, structured_keep, visit_tiles
-from pallas_kernels.mosaic_gpu.common import (ROWS, import_plgpu, kv_length, layouts,
-                                              load_vector, tile_ds, tile_p, tile_row)
+from pallas_kernels.mosaic_gpu.common import (ROWS, import_plgpu, layouts, load_vector,
+                                              tile_ds, tile_p, tile_row)
 from pallas_kernels.mosaic_gpu.configs import by_role
 from pallas_kernels.mosaic_gpu.pipeline import (Pipeline, Products, kernel_refs, load_fixed,
                                                 load_tile, producer_and_consumers,
@@ -78,8 +78,8 @@ def _produce_query_tiles(pipe, ranges, b, j, own, base=None):
   return count_after(base, lambda: total)
 
 
-def dkv_kernel(*refs, names, static_ranges, opts: MaskOptions, scale, bq, group, interpret,
-                consumers, stages, rows_view, group_splits=1, persistent=None, stats_streamed=False,
+def dkv_kernel(*refs, names, opts: MaskOptions, scale, bq, group, interpret, consumers,
+                stages, rows_view, group_splits=1, persistent=None, stats_streamed=False,
                 p_under_dp=False):
   """dK, dV of 2 x 64 keys of one key head, summed over the group's heads (or the
   program's share of them, `group_splits`) and the visited query tiles (S^T = K Q^T, so
@@ -88,7 +88,7 @@ def dkv_kernel(*refs, names, static_ranges, opts: MaskOptions, scale, bq, group,
   `PersistentGrid`): each program loops over work items (key tile, key head, split,
   batch) of the grid it stands for; `stats_streamed`: as `BackwardConfig`'s,
   `p_under_dp` as its `dkv_p_under_dp`; `rows_view`: the tile buffers' (`kernel_refs`)."""
-  r = kernel_refs(names, refs, rows_view) | static_ranges
+  r = kernel_refs(names, refs, rows_view)
   bk = ROWS
   H = r["q_smem"].mma.shape[-1]
   mm = Products(interpret, r.get("acc"))
@@ -183,8 +183,7 @@ def _dkv_program(r, mm, j, kv_head, split, b, *, own, bk, bq, H, key_layout, gro
     k_smem, v_smem = k_tiles.mma, v_tiles.mma
     lo, full_lo, full_hi, hi = tile_row(ranges, b, j)
     kv_seg = key_segments(keys)
-    tile = dict(bq=bq, key0=key0, opts=opts, kv_len=kv_length(ranges, b, j),
-                interpret=interpret)
+    tile = dict(bq=bq, key0=key0, opts=opts, kv_len=ranges[b, j, 5], interpret=interpret)
     query_side = functools.partial(_dkv_query_side, r, b, **tile)
     keep_of = functools.partial(_dkv_keep, r, b, **tile)   # stats_streamed: the mask alone
     if start is not None:
@@ -295,7 +294,7 @@ def _dkv_by_role(r, mm, ranges, b, j, kv_head, head, own, srcs, key_segments, *,
     k_smem = r["k_smem"].mma
     kv_seg = key_segments(keys)
     query_side = functools.partial(_dkv_query_side, r, b, bq=bq, key0=j * bk, opts=opts,
-                                   kv_len=kv_length(ranges, b, j), interpret=interpret)
+                                   kv_len=ranges[b, j, 5], interpret=interpret)
 
     def body(i, carry, g, masked, dk_acc):
       t = g * per_head + i - lo

@@ -16,16 +16,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.masking import MaskOptions, query_block_order, structured_keep, visit_tiles
-from pallas_kernels.mosaic_gpu.common import (ROWS, kv_length, layouts, load_vector, tile_ds,
-                                              tile_p, tile_row)
+from pallas_kernels.mosaic_gpu.common import (ROWS, layouts, load_vector, tile_ds, tile_p,
+                                              tile_row)
 from pallas_kernels.mosaic_gpu.pipeline import (Products, Stream, kernel_refs, load_fixed,
                                                 producer_and_consumers, run_persistent,
                                                 store_outputs, warp_specialised)
 from pallas_kernels.mosaic_gpu.scheduler import count_after, counted_from, item_coords
 
 
-def dq_kernel(*refs, names, static_ranges, opts: MaskOptions, scale, bk, num_q_blocks, group,
-               interpret, consumers, stages, rows_view, rows_in_registers=False, persistent=None,
+def dq_kernel(*refs, names, opts: MaskOptions, scale, bk, num_q_blocks, group, interpret,
+               consumers, stages, rows_view, rows_in_registers=False, persistent=None,
                p_under_dp=False):
   """dQ of `consumers` x 64 query rows of one query head over the visited key tiles.
   One consumer streams its own key tiles (double buffering); two or three share the
@@ -35,7 +35,7 @@ def dq_kernel(*refs, names, static_ranges, opts: MaskOptions, scale, bk, num_q_b
   program of a producer and its consumers loops over work items (query block, head,
   batch) of the grid it stands for; `p_under_dp`: as `BackwardConfig.dq_p_under_dp`;
   `rows_view`: the tile buffers' (`kernel_refs`)."""
-  r = kernel_refs(names, refs, rows_view) | static_ranges
+  r = kernel_refs(names, refs, rows_view)
   bq = ROWS
   ranges = r["ranges"]
   block_of = query_block_order(num_q_blocks, opts)
@@ -118,7 +118,7 @@ def _dq_program(r, mm, i, n, b, *, bq, bk, group, interpret, opts, scale,
     along_keys = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
     lse2 = along_keys(load_vector(r["lse2"].at[b, n, rows], query_layout, interpret))
     delta = along_keys(load_vector(r["delta"].at[b, n, rows], query_layout, interpret))
-    kv_len = kv_length(ranges, b, i)
+    kv_len = ranges[b, i, 5]
     q_seg = None
     if "q_seg" in r:
       q_seg = along_keys(load_vector(r["q_seg"].at[b, rows], query_layout, interpret))
