@@ -3,7 +3,8 @@ element-wise rules, the dropout hash and the per-tile visiting ranges, and the o
 which query blocks are launched (`query_block_order`).
 
 The caller (jflash) decides *which* tiles exist: under the static rules (causal,
-window) each block's ranges in closed form (`ranges_static`), with data-dependent ones
+window) each block's ranges in closed form (`static_range`: a table at trace time, or
+computed in a kernel from the block index, `StaticRanges`), with data-dependent ones
 (lengths, segment ids) from a [B, nq, nk] class table of block summaries
 (`ranges_from_classes`); the kernels only follow the ranges and apply element-wise
 rules inside boundary tiles.
@@ -215,14 +216,15 @@ def static_range(i, *, T, S, block_q, block_k, opts: MaskOptions, offset: int = 
   where every pair of the whole tile is (c1 < S; causal: c1 <= r0; window: c0 >= r1 -
   left and c1 <= r0 + right), which implies visible.
 
-  A window side of T + S or more hides nothing (positions span less), so sides are
-  clipped there and every term stays under 4 (T + S) in magnitude: int32 in a kernel.
+  A window side of T + S + |offset| or more hides nothing (query positions lie in
+  [offset, T + offset), keys in [0, S)), so sides are clipped there and every term
+  stays under 4 (T + S + |offset|) in magnitude: int32 in a kernel.
   """
   xp = np if isinstance(i, np.ndarray) else jnp
   if xp is jnp:
     i = jnp.asarray(i, jnp.int32)
   nq, nk = -(-T // block_q), -(-S // block_k)
-  limit = T + S
+  limit = T + S + abs(offset)
   causal, window = opts.is_causal, opts.window
   left, right = (min(w, limit) for w in window) if window is not None else (limit, limit)
   down = functools.partial(_floor_div, xp=xp)

@@ -142,7 +142,8 @@ def test_static_ranges_closed_form_equal_the_class_table():
   """`ranges_static` (what `build_ranges` returns for the static rules) equals the
   ranges of the [nq, nk] class table, for both orientations, over seeded draws of
   lengths off the tiles, tile sizes, causal or not, windows up to INT32_MAX on either
-  side and query offsets from -T to S (bottom-right alignment with S < T or S > T);
+  side and query offsets from -T - 100 to S + 100 (bottom-right alignment with S < T or
+  S > T, and past either end);
   and so does `static_range` on int32 block indices (a kernel's), whose division
   truncates, with the row past the end empty."""
   rng = np.random.default_rng(0)
@@ -151,7 +152,7 @@ def test_static_ranges_closed_form_equal_the_class_table():
     bq, bk = int(rng.choice([16, 64, 192])), int(rng.choice([16, 64, 128]))
     sides = [0, 1, 7, 64, 100, 1000, 2 ** 31 - 1]
     window = None if rng.random() < 0.4 else tuple(int(x) for x in rng.choice(sides, 2))
-    offset = int(rng.choice([0, S - T, -T, S, int(rng.integers(-T, S + 1))]))
+    offset = int(rng.choice([0, S - T, -T, S, int(rng.integers(-T, S + 1)), S + 100, -T - 100]))
     opts = MaskOptions(is_causal=bool(rng.random() < 0.5), window=window)
     table = classes_static(T, S, bq, bk, opts, offset)
     for transpose in (False, True):

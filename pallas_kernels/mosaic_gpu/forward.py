@@ -19,12 +19,13 @@ FlashAttention-3 does at head_dim 64). The producer shrinks its register file
 (`setmaxnreg`) so the consumers can grow theirs.
 
 Which key tiles a block visits comes from the same per-tile schedule as the Triton
-kernels (`pallas_kernels.masking.build_ranges`, computed for the consumers * block_q
-rows the consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
-Producer and consumers read the same row of that table, so every slot barrier
-completes exactly as often as it is waited on; with `consumer_ranges` a consumer
-computes only its own block_q rows' range inside it (a second table) and idles through
-the others with the same barrier operations. Logits stay in base 2 with
+kernels (`pallas_kernels.masking.build_ranges`, for the consumers * block_q rows the
+consumers share): [lo, hi) is visited, [full_lo, full_hi) with no element-wise mask.
+Under the static rules alone each program computes its row from the block index
+(`StaticRanges`), otherwise loads it from the table. Producer and consumers take the
+same row, so every slot barrier completes exactly as often as it is waited on; with
+`consumer_ranges` a consumer computes only its own block_q rows' range inside it (a
+second row) and idles through the others with the same barrier operations. Logits stay in base 2 with
 scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
 """
 from __future__ import annotations
