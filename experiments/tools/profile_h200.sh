@@ -23,6 +23,7 @@ declare -A CASES=(
   [bwd_d64]="--seq 4096 --head-dim 64 --implementation mosaic_gpu --backward mosaic_gpu"
   [bwd_d128_triton]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward pallas"
   [bwd_d128_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --backward mosaic_gpu"
+  [bwd_d128_causal_mosaic]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --causal --implementation mosaic_gpu --backward mosaic_gpu"
   [fwd_d128]="--seq 16384 --head-dim 128 --heads 16 --batch 1 --implementation mosaic_gpu --forward-only"
   [fwd_1k_causal]="--seq 1024 --head-dim 128 --heads 16 --batch 16 --causal --implementation mosaic_gpu --forward-only"
   [fwd_1k_causal_two]="--seq 1024 --head-dim 128 --heads 16 --batch 16 --causal --implementation mosaic_gpu --forward-only --config {\"consumers\":2}"
