@@ -25,8 +25,9 @@ Under the static rules alone each program computes its row from the block index
 (`StaticRanges`), otherwise loads it from the table. Producer and consumers take the
 same row, so every slot barrier completes exactly as often as it is waited on; with
 `consumer_ranges` a consumer computes only its own block_q rows' range inside it (a
-second row) and idles through the others with the same barrier operations. Logits stay in base 2 with
-scale * log2(e) folded into the one FMA before exp2; lse is returned in natural log.
+second row) and idles through the others with the same barrier operations. Logits stay
+in base 2 with scale * log2(e) folded into the one FMA before exp2; lse is returned in
+natural log.
 """
 from __future__ import annotations
 
@@ -581,9 +582,8 @@ def flash_forward(q, k, v, *, scale: float, opts: MaskOptions | None = None,
                                      causal=opts.is_causal, num_sms=num_sms)
   kernel = functools.partial(
       _kernel, names=names, static_ranges=static_ranges, opts=opts, scale=scale,
-      config=config, group=N // K,
-      items_grid=items_grid, num_ctas=num_ctas, rows_view=rows_view,
-      dtype=q.dtype, interpret=interpret)
+      config=config, group=N // K, items_grid=items_grid, num_ctas=num_ctas,
+      rows_view=rows_view, dtype=q.dtype, interpret=interpret)
   extra = {}
   if interpret:   # Mosaic GPU's own interpreter: simulated SMEM, barriers, TMA, warpgroups
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
